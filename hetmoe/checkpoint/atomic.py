@@ -1,0 +1,64 @@
+"""Atomic file writes: write under a temporary name beside the target, fsync, rename, fsync the dir.
+
+A reader (or a user after a crash or kill -9) sees either the old file or the complete new one,
+never a partial file under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+@contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces ``target`` atomically."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening a directory
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(target: str | Path, write: Callable[[Path], None]) -> None:
+    with atomic_path(target) as tmp:
+        write(tmp)
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], target: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """``safetensors.torch.save_file``, atomically."""
+    from safetensors.torch import save_file
+
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    write_atomic(target, lambda tmp: save_file(contiguous, str(tmp), metadata=metadata))
+
+
+def write_text_atomic(target: str | Path, text: str) -> None:
+    write_atomic(target, lambda tmp: tmp.write_text(text))

@@ -1,0 +1,45 @@
+"""``hetmoe``: one sub-command per job; each lives in its own module of this package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..checkpoint.errors import CheckpointError
+from ..formats.base import FormatError
+from . import demo, inspect_cmd
+
+COMMANDS = (inspect_cmd, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetmoe",
+        description=(
+            "Run Mixture-of-Experts models with routed experts in CPU memory, and the format tooling around them."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except (CheckpointError, FormatError) as exc:
+        print(f"hetmoe {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"hetmoe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
