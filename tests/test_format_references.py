@@ -114,6 +114,16 @@ def test_gptq_matches_published_rule(sym: bool, fmt: str, group: int) -> None:
     np.testing.assert_array_equal(codec.dequantize(q, torch.float64).numpy(), ref)
 
 
+def test_gptq_single_group_and_single_row_pack() -> None:
+    """K equal to the group size leaves size-1 dims in the packed zero points (a stride trap)."""
+    for shape in ((64, 32), (8, 32), (2, 8, 32)):
+        w = torch.randn(shape, generator=GEN)
+        codec = get_codec("gptq", group_size=32, sym=False, checkpoint_format="gptq_v2")
+        q = codec.quantize(w)
+        codec.validate(q)
+        assert codec.dequantize(q).shape == w.shape
+
+
 def test_gptq_v1_and_v2_zero_points_of_the_same_bytes_differ_by_one() -> None:
     w = torch.randn(16, 64, generator=GEN)
     q = get_codec("gptq", group_size=32, sym=False, checkpoint_format="gptq_v2").quantize(w)

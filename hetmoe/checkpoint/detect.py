@@ -135,3 +135,18 @@ def _classify(prefix: str, t: dict[str, TensorInfo]) -> list[WeightEntry]:
         if w.dtype in FULL_PRECISION:
             return take(FULL_PRECISION[w.dtype], [".weight"], w.shape)
     return [WeightEntry(prefix + s, "", i.shape, {s: i}) for s, i in t.items()]
+
+
+def classify(prefix: str, tensors: dict[str, TensorInfo]) -> WeightEntry:
+    """The weight a module ``prefix`` stores, given its tensors by suffix; method ``""`` if none matches.
+
+    Readers that already know which tensors make up one weight (e.g. the expert reader, which maps
+    fused names such as ``gate_up_proj_scale_inv`` onto codec suffixes) use this instead of
+    scanning a whole source with :func:`group_weights`.
+    """
+    entries = _classify(prefix, tensors) if tensors else []
+    if entries and entries[0].prefix == prefix:
+        return entries[0]
+    first = next(iter(tensors.values()), None)
+    shape = first.shape if first is not None else ()
+    return WeightEntry(prefix, "", shape, dict(tensors))

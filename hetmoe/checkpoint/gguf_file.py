@@ -48,7 +48,7 @@ class GGUFFile:
         try:
             self._reader = gguf.GGUFReader(self.path, "c")  # copy-on-write: torch wants writable arrays
         except Exception as exc:  # the parser raises ValueError, IndexError, ... on corrupt input
-            raise CheckpointError(self.path, f"corrupt GGUF: {type(exc).__name__}: {exc}") from None
+            raise CheckpointError(self.path, f"corrupt or truncated GGUF: {type(exc).__name__}: {exc}") from None
         self._tensors = {}
         for t in self._reader.tensors:
             if t.data.nbytes != t.n_bytes or t.data_offset + t.n_bytes > size:

@@ -36,9 +36,12 @@ def pack_int32(codes: torch.Tensor, name: str = "codes") -> torch.Tensor:
     """``[..., K]`` codes in 0..15 -> ``int32 [..., K/8]``, code i of a word at bits ``4i``."""
     if codes.shape[-1] % 8:
         raise FormatError(name, "a multiple of 8 codes along the last dim", f"{codes.shape[-1]}")
-    return pack_nibbles(codes, name).view(torch.int32)
+    packed = pack_nibbles(codes, name)
+    # View through a flat copy-free reshape: a size-1 dim may carry a stride view() rejects.
+    return packed.reshape(-1).view(torch.int32).reshape(*packed.shape[:-1], -1)
 
 
 def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
     """``int32 [..., K/8]`` -> ``uint8 [..., K]`` codes in 0..15."""
-    return unpack_nibbles(packed.contiguous().view(torch.uint8))
+    p = packed.contiguous()
+    return unpack_nibbles(p.reshape(-1).view(torch.uint8).reshape(*p.shape[:-1], -1))

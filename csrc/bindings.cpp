@@ -1,0 +1,132 @@
+// The Python module hetmoe._C: CPU features, ISA selection, the thread pool and MoEEngine.
+// Tensors cross as integer data pointers; hetmoe/kernels/engine.py validates every shape, dtype
+// and stride before calling in, so nothing here trusts Python blindly and nothing links libtorch.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "cpu_features.h"
+#include "kernels.h"
+#include "moe_engine.h"
+
+namespace py = pybind11;
+using namespace hetmoe;
+
+namespace {
+
+const KernelTable* g_selected = nullptr;
+
+const KernelTable* table_for(const std::string& isa) {
+  const CpuFeatures& f = cpu_features();
+  if (isa == "avx2") {
+    if (!f.can_avx2()) throw py::value_error("HETMOE_ISA=avx2: this CPU or OS lacks AVX2+FMA+F16C");
+    return avx2_kernels();
+  }
+  if (isa == "avx512") {
+    if (!f.can_avx512())
+      throw py::value_error("HETMOE_ISA=avx512: this CPU or OS lacks AVX-512 F/BW/VL/VNNI (or ZMM state)");
+    return avx512_kernels();
+  }
+  if (isa == "amx") {
+    if (!f.can_amx())
+      throw py::value_error("HETMOE_ISA=amx: this CPU lacks AMX-TILE/INT8/BF16, or the OS did not grant tile data");
+    return amx_kernels();
+  }
+  throw py::value_error("unknown ISA '" + isa + "': expected avx2, avx512, amx or auto");
+}
+
+std::string best_isa() {
+  const CpuFeatures& f = cpu_features();
+  if (f.can_amx()) return "amx";
+  if (f.can_avx512()) return "avx512";
+  if (f.can_avx2()) return "avx2";
+  return "";
+}
+
+Proj proj_from(const py::tuple& t) {
+  if (t.size() != 10) throw py::value_error("projection descriptor must have 10 fields");
+  Proj p;
+  p.w = reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>());
+  p.s = reinterpret_cast<const uint8_t*>(t[1].cast<uintptr_t>());
+  p.w_estride = t[2].cast<int64_t>();
+  p.w_rstride = t[3].cast<int64_t>();
+  p.s_estride = t[4].cast<int64_t>();
+  p.s_rstride = t[5].cast<int64_t>();
+  p.n = t[6].cast<int>();
+  p.k = t[7].cast<int>();
+  p.group = t[8].cast<int>();
+  p.method = t[9].cast<int>();
+  if (p.method < 0 || p.method >= kNumMethods) throw py::value_error("unknown method id");
+  if (p.k % 32 != 0) throw py::value_error("K must be a multiple of 32");
+  const bool pow2_blocks = p.group >= 32 && p.group % 32 == 0 && ((p.group / 32) & (p.group / 32 - 1)) == 0;
+  if (p.method == kInt4 && (!pow2_blocks || p.k % p.group != 0))
+    throw py::value_error("int4 group size must be 32 times a power of two (32, 64, 128, 256) and divide K");
+  return p;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hetmoe's compiled CPU engine";
+
+  m.def("cpu_features", [] {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["avx2"] = f.avx2, d["fma"] = f.fma, d["f16c"] = f.f16c;
+    d["avx512f"] = f.avx512f, d["avx512bw"] = f.avx512bw, d["avx512vl"] = f.avx512vl;
+    d["avx512_vnni"] = f.avx512vnni, d["avx512_bf16"] = f.avx512bf16;
+    d["amx_tile"] = f.amx_tile, d["amx_int8"] = f.amx_int8, d["amx_bf16"] = f.amx_bf16;
+    d["os_ymm"] = f.os_ymm, d["os_zmm"] = f.os_zmm, d["os_amx"] = f.os_amx;
+    d["can_avx2"] = f.can_avx2(), d["can_avx512"] = f.can_avx512(), d["can_amx"] = f.can_amx();
+    return d;
+  });
+  m.def("best_isa", &best_isa, "the best kernel variant this CPU runs ('' if none)");
+  m.def(
+      "select_isa",
+      [](const std::string& isa) {
+        const std::string name = isa == "auto" ? best_isa() : isa;
+        if (name.empty()) throw py::value_error("this CPU lacks AVX2+FMA+F16C: the compiled engine cannot run here");
+        g_selected = table_for(name);
+        return std::string(g_selected->name);
+      },
+      py::arg("isa"), "select the kernel variant for engines created from now on; raises if the CPU lacks it");
+  m.def("selected_isa", [] { return std::string(g_selected ? g_selected->name : ""); });
+  m.def("set_num_threads", &set_pool_threads, py::arg("threads"));
+  m.def("num_threads", &pool_threads);
+
+  py::class_<MoEEngine>(m, "MoEEngine")
+      .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,
+                       const py::tuple& down, int gemv_max_tokens) {
+             if (!g_selected) throw py::value_error("select_isa() must be called first");
+             return new MoEEngine(experts, hidden, intermediate, proj_from(gate), proj_from(up), proj_from(down),
+                                  g_selected, gemv_max_tokens);
+           }),
+           py::arg("experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"), py::arg("up"),
+           py::arg("down"), py::arg("gemv_max_tokens") = 4)
+      .def(
+          "submit",
+          [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
+             uintptr_t y, uintptr_t skip) {
+            py::gil_scoped_release release;
+            return e.submit(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids),
+                            topk, reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),
+                            reinterpret_cast<const uint8_t*>(skip));
+          },
+          py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("ids"), py::arg("topk"), py::arg("weights"),
+          py::arg("y"), py::arg("skip"))
+      .def(
+          "wait",
+          [](MoEEngine& e, int64_t handle) {
+            bool ok;
+            {
+              py::gil_scoped_release release;
+              ok = e.wait(handle);
+            }
+            if (!ok) throw py::value_error("handle " + std::to_string(handle) + " is not pending (already waited on?)");
+          },
+          py::arg("handle"))
+      .def_property_readonly("pending", &MoEEngine::pending)
+      .def_property_readonly("isa", [](const MoEEngine& e) { return std::string(e.kernels()->name); });
+}

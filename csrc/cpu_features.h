@@ -1,0 +1,21 @@
+// What this CPU and OS can run, from CPUID and XGETBV; AMX only after the kernel grants it.
+#pragma once
+#include <string>
+
+namespace hetmoe {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512vnni = false, avx512bf16 = false;
+  bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
+  bool os_ymm = false, os_zmm = false, os_amx = false;  // the OS saves that register state
+
+  bool can_avx2() const { return avx2 && fma && f16c && os_ymm; }
+  bool can_avx512() const { return can_avx2() && avx512f && avx512bw && avx512vl && avx512vnni && os_zmm; }
+  bool can_amx() const { return can_avx512() && amx_tile && amx_bf16 && amx_int8 && os_amx; }
+};
+
+// Detected once; the AMX permission request happens on first call.
+const CpuFeatures& cpu_features();
+
+}  // namespace hetmoe

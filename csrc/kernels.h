@@ -1,0 +1,68 @@
+// The per-ISA kernel table. Each ISA translation unit (kernels_avx2.cpp, kernels_avx512.cpp,
+// kernels_amx.cpp) is compiled with its own -m flags and fills one table; nothing it defines is
+// visible to the others (everything lives in an anonymous namespace), so the linker can never
+// hand an AVX-512 instantiation of a shared inline function to AVX2 code.
+//
+// This header is included by every ISA unit: it holds declarations and plain data only.
+#pragma once
+#include <cstdint>
+
+namespace hetmoe {
+
+// Storage methods the engine runs. The numbers cross the Python boundary (kernels/_engine.py).
+enum Method : int {
+  kBF16 = 0,  // bf16 [N, K]
+  kInt8 = 1,  // int8 [N, K], fp32 scale per row
+  kInt4 = 2,  // uint8 [N, K/2] (low nibble = even k, value = code - 8), bf16 scale per group
+  kNumMethods = 3,
+};
+
+constexpr int kActBlock = 32;   // activation quantization block (int16 codes + fp32 scale)
+constexpr int kGemvTokens = 4;  // the GEMV kernels take at most this many tokens per call
+constexpr int kPanelRows = 24;  // rows of a dequantized fp32 panel used by the GEMM kernels
+
+// One projection of every expert of a layer, e.g. gate: [E, N, K] in some method's layout.
+struct Proj {
+  const uint8_t* w = nullptr;  // codes or values
+  const uint8_t* s = nullptr;  // scales (unused for bf16)
+  int64_t w_estride = 0, w_rstride = 0;  // bytes between experts / rows of w
+  int64_t s_estride = 0, s_rstride = 0;  // bytes between experts / rows of s
+  int n = 0, k = 0;                      // rows (outputs), columns (inputs)
+  int group = 0;                         // int4 group size along K
+  int method = kBF16;
+};
+
+// One activation row as the kernels want it: fp32 values, and for integer kernels int16 codes
+// in blocks of 32 with a scale per block (amax / 32767: the rounding error is ~1e-5 relative, so
+// integer dot products cost no accuracy worth measuring, unlike int8 activations at ~1e-2). For
+// int4 the codes inside each block are stored evens first then odds (k = 0,2,..,30,1,3,..,31),
+// the order a byte of nibbles unpacks to.
+struct Act {
+  const float* f = nullptr;
+  const int16_t* q = nullptr;
+  const float* d = nullptr;
+};
+
+enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2 };
+
+struct KernelTable {
+  const char* name;
+  // y[t * ldy + (n - n0)] = dot(W_e[n, :], x_t) for n in [n0, n1), t < T <= kGemvTokens.
+  void (*gemv[kNumMethods])(const Proj& p, int e, int n0, int n1, const Act* x, int T, float* y, int ldy);
+  // Rows [n0, n1) of expert e as fp32 into panel[(n - n0) * K + k]; n1 - n0 <= kPanelRows.
+  void (*dequant_rows[kNumMethods])(const Proj& p, int e, int n0, int n1, float* panel);
+  // c[t * ldc + r] = dot(panel[r, :K], a[t][:K]) for r < R (<= kPanelRows), t < T.
+  void (*gemm_panel)(const float* panel, int R, int K, const float* const* a, int T, float* c, int ldc);
+  // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
+  void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d);
+  // h[i] = silu(g[i]) * u[i]
+  void (*silu_mul)(const float* g, const float* u, float* h, int n);
+  // dst[i] = float(src_bf16[i])
+  void (*bf16_to_f32)(const uint16_t* src, float* dst, int n);
+};
+
+const KernelTable* avx2_kernels();
+const KernelTable* avx512_kernels();
+const KernelTable* amx_kernels();
+
+}  // namespace hetmoe

@@ -1,0 +1,309 @@
+#include "moe_engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+
+namespace hetmoe {
+namespace {
+
+template <typename T>
+std::unique_ptr<T[]> uninit(size_t n) {
+  return std::unique_ptr<T[]>(new T[n > 0 ? n : 1]);
+}
+
+int act_quant_for(int method) { return method == kInt4 ? kActPairs : method == kInt8 ? kActNatural : kActNone; }
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Per-worker scratch for the GEMM path (dequantized panels, the up-projection block).
+struct Scratch {
+  std::vector<float> panel_a, panel_b, block;
+};
+thread_local Scratch tl_scratch;
+
+float* sized(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Activation rows in the layout a method's GEMV kernel wants.
+struct ActBuffers {
+  int K = 0, mode = kActNone;
+  std::unique_ptr<int16_t[]> q;
+  std::unique_ptr<float[]> d;
+
+  void allocate(int rows, int k, int m) {
+    K = k;
+    mode = m;
+    if (mode == kActNone) return;
+    q = uninit<int16_t>(size_t(rows) * K);
+    d = uninit<float>(size_t(rows) * (K / kActBlock));
+  }
+  void quantize(const KernelTable* kt, const float* row, int r) {
+    if (mode == kActNone) return;
+    const size_t nb = K / kActBlock;
+    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb);
+  }
+  Act act(const float* row, int r) const {
+    Act a;
+    a.f = row;
+    if (mode != kActNone) {
+      const size_t nb = K / kActBlock;
+      a.q = q.get() + size_t(r) * K;
+      a.d = d.get() + r * nb;
+    }
+    return a;
+  }
+};
+
+class MoEJob final : public Job {
+ public:
+  MoEJob(int E, int H, int I, const Proj& gate, const Proj& up, const Proj& down, const KernelTable* kt,
+         int gemv_max, const void* x, int x_dtype, int T, const int64_t* ids, int topk, const float* weights,
+         void* y, const uint8_t* skip)
+      : H_(H), I_(I), gate_(gate), up_(up), down_(down), kt_(kt), gemv_max_(gemv_max), x_(x), x_dtype_(x_dtype),
+        T_(T), topk_(topk), weights_(weights), y_(y) {
+    route(E, ids, skip);
+    chunks_up_ = (I + kPanelRows - 1) / kPanelRows;
+    chunks_down_ = (H + kPanelRows - 1) / kPanelRows;
+    if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
+    x_act_.allocate(T, H, act_quant_for(gate.method));
+    h_ = uninit<float>(size_t(S_) * I);
+    h_act_.allocate(S_, I, act_quant_for(down.method));
+    ybuf_ = uninit<float>(size_t(S_) * H);
+  }
+
+  Phase next_phase(int index) override {
+    switch (index) {
+      case 0:  // activations to fp32 (and int8 for integer kernels), one token an item
+        return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare_token(t); }};
+      case 1:  // gate and up, then SiLU * up, by (expert, block of rows of I)
+        return {static_cast<int>(active_.size()) * chunks_up_, [this](int i, int) { gate_up(i); }};
+      case 2:  // the intermediate activations quantized for an integer down projection
+        return {h_act_.mode != kActNone ? S_ : 0, [this](int s, int) { h_act_.quantize(kt_, h_.get() + size_t(s) * I_, s); }};
+      case 3:  // down, by (expert, block of rows of H)
+        return {static_cast<int>(active_.size()) * chunks_down_, [this](int i, int) { down(i); }};
+      case 4:  // weighted sum of each token's expert outputs
+        return {T_, [this](int t, int) { combine(t); }};
+      default:
+        return {};
+    }
+  }
+
+ private:
+  struct ActiveExpert {
+    int expert, first_slot, count;
+  };
+
+  // Slots are (token, k) pairs that run here, sorted by expert so each expert's tokens are
+  // contiguous; busiest experts first so the tail of a phase is short.
+  void route(int E, const int64_t* ids, const uint8_t* skip) {
+    std::vector<int> count(E, 0);
+    const int pairs = T_ * topk_;
+    for (int p = 0; p < pairs; ++p) {
+      const int64_t e = ids[p];
+      if (e >= 0 && e < E && !(skip && skip[e])) ++count[e];
+    }
+    for (int e = 0; e < E; ++e)
+      if (count[e]) active_.push_back({e, 0, count[e]});
+    std::stable_sort(active_.begin(), active_.end(),
+                     [](const ActiveExpert& a, const ActiveExpert& b) { return a.count > b.count; });
+    std::vector<int> cursor(E, -1);
+    S_ = 0;
+    for (auto& a : active_) {
+      a.first_slot = S_;
+      cursor[a.expert] = S_;
+      S_ += a.count;
+    }
+    slot_token_.assign(S_, 0);
+    slot_of_.assign(pairs, -1);
+    for (int p = 0; p < pairs; ++p) {
+      const int64_t e = ids[p];
+      if (e >= 0 && e < E && !(skip && skip[e])) {
+        const int s = cursor[e]++;
+        slot_token_[s] = p / topk_;
+        slot_of_[p] = s;
+      }
+    }
+  }
+
+  const float* x_row(int t) const {
+    return x_dtype_ == kBF16Data ? xf_.get() + size_t(t) * H_ : static_cast<const float*>(x_) + size_t(t) * H_;
+  }
+
+  void prepare_token(int t) {
+    if (x_dtype_ == kBF16Data)
+      kt_->bf16_to_f32(static_cast<const uint16_t*>(x_) + size_t(t) * H_, xf_.get() + size_t(t) * H_, H_);
+    x_act_.quantize(kt_, x_row(t), t);
+  }
+
+  void gate_up(int item) {
+    const ActiveExpert& a = active_[item / chunks_up_];
+    const int n0 = (item % chunks_up_) * kPanelRows, n1 = std::min(I_, n0 + kPanelRows), R = n1 - n0;
+    float* up_block = sized(tl_scratch.block, size_t(std::max(a.count, kGemvTokens)) * kPanelRows);
+    if (a.count <= gemv_max_) {
+      for (int t0 = 0; t0 < a.count; t0 += kGemvTokens) {
+        const int nt = std::min(kGemvTokens, a.count - t0);
+        Act acts[kGemvTokens];
+        for (int i = 0; i < nt; ++i) {
+          const int tok = slot_token_[a.first_slot + t0 + i];
+          acts[i] = x_act_.act(x_row(tok), tok);
+        }
+        float* g = h_.get() + size_t(a.first_slot + t0) * I_ + n0;
+        // Gate straight into h (row stride I), up into scratch; then h = silu(h) * up.
+        kt_->gemv[gate_.method](gate_, a.expert, n0, n1, acts, nt, g, I_);
+        kt_->gemv[up_.method](up_, a.expert, n0, n1, acts, nt, up_block, kPanelRows);
+        for (int i = 0; i < nt; ++i) kt_->silu_mul(g + size_t(i) * I_, up_block + i * kPanelRows, g + size_t(i) * I_, R);
+      }
+      return;
+    }
+    float* pg = sized(tl_scratch.panel_a, size_t(kPanelRows) * H_);
+    float* pu = sized(tl_scratch.panel_b, size_t(kPanelRows) * H_);
+    kt_->dequant_rows[gate_.method](gate_, a.expert, n0, n1, pg);
+    kt_->dequant_rows[up_.method](up_, a.expert, n0, n1, pu);
+    std::vector<const float*> rows(a.count);
+    for (int i = 0; i < a.count; ++i) rows[i] = x_row(slot_token_[a.first_slot + i]);
+    float* g = h_.get() + size_t(a.first_slot) * I_ + n0;
+    kt_->gemm_panel(pg, R, H_, rows.data(), a.count, g, I_);
+    kt_->gemm_panel(pu, R, H_, rows.data(), a.count, up_block, kPanelRows);
+    for (int i = 0; i < a.count; ++i) kt_->silu_mul(g + size_t(i) * I_, up_block + i * kPanelRows, g + size_t(i) * I_, R);
+  }
+
+  void down(int item) {
+    const ActiveExpert& a = active_[item / chunks_down_];
+    const int n0 = (item % chunks_down_) * kPanelRows, n1 = std::min(H_, n0 + kPanelRows), R = n1 - n0;
+    float* out = ybuf_.get() + size_t(a.first_slot) * H_ + n0;
+    if (a.count <= gemv_max_) {
+      for (int t0 = 0; t0 < a.count; t0 += kGemvTokens) {
+        const int nt = std::min(kGemvTokens, a.count - t0);
+        Act acts[kGemvTokens];
+        for (int i = 0; i < nt; ++i) {
+          const int s = a.first_slot + t0 + i;
+          acts[i] = h_act_.act(h_.get() + size_t(s) * I_, s);
+        }
+        kt_->gemv[down_.method](down_, a.expert, n0, n1, acts, nt, out + size_t(t0) * H_, H_);
+      }
+      return;
+    }
+    float* pd = sized(tl_scratch.panel_a, size_t(kPanelRows) * I_);
+    kt_->dequant_rows[down_.method](down_, a.expert, n0, n1, pd);
+    std::vector<const float*> rows(a.count);
+    for (int i = 0; i < a.count; ++i) rows[i] = h_.get() + size_t(a.first_slot + i) * I_;
+    kt_->gemm_panel(pd, R, I_, rows.data(), a.count, out, H_);
+  }
+
+  void combine(int t) {
+    float* acc = sized(tl_scratch.block, H_);
+    std::fill(acc, acc + H_, 0.f);
+    for (int j = 0; j < topk_; ++j) {
+      const int s = slot_of_[t * topk_ + j];
+      if (s < 0) continue;
+      const float w = weights_[t * topk_ + j];
+      const float* src = ybuf_.get() + size_t(s) * H_;
+      for (int i = 0; i < H_; ++i) acc[i] += w * src[i];
+    }
+    if (x_dtype_ == kBF16Data) {
+      uint16_t* dst = static_cast<uint16_t*>(y_) + size_t(t) * H_;
+      for (int i = 0; i < H_; ++i) dst[i] = f32_to_bf16(acc[i]);
+    } else {
+      std::memcpy(static_cast<float*>(y_) + size_t(t) * H_, acc, sizeof(float) * H_);
+    }
+  }
+
+  int H_, I_;
+  Proj gate_, up_, down_;
+  const KernelTable* kt_;
+  int gemv_max_;
+  const void* x_;
+  int x_dtype_, T_, topk_;
+  const float* weights_;
+  void* y_;
+
+  std::vector<ActiveExpert> active_;
+  std::vector<int> slot_token_, slot_of_;
+  int S_ = 0, chunks_up_ = 0, chunks_down_ = 0;
+  std::unique_ptr<float[]> xf_, h_, ybuf_;
+  ActBuffers x_act_, h_act_;
+};
+
+std::mutex g_pool_mu;
+std::unique_ptr<ThreadPool> g_pool;
+int g_pool_threads = 0;
+
+}  // namespace
+
+ThreadPool& global_pool() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (!g_pool) {
+    int n = g_pool_threads;
+    if (n <= 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : int(std::thread::hardware_concurrency());
+      if (n <= 0) n = 1;
+    }
+    g_pool = std::make_unique<ThreadPool>(n);
+  }
+  return *g_pool;
+}
+
+void set_pool_threads(int threads) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  g_pool_threads = threads;
+  g_pool.reset();  // the next job starts a pool of the new size
+}
+
+int pool_threads() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  return g_pool ? g_pool->threads() : g_pool_threads;
+}
+
+MoEEngine::MoEEngine(int experts, int hidden, int intermediate, const Proj& gate, const Proj& up, const Proj& down,
+                     const KernelTable* kernels, int gemv_max_tokens)
+    : E_(experts), H_(hidden), I_(intermediate), gate_(gate), up_(up), down_(down), kt_(kernels),
+      gemv_max_(gemv_max_tokens) {}
+
+int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
+                          const float* weights, void* y, const uint8_t* skip_mask) {
+  auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, kt_, gemv_max_, x, x_dtype, tokens, ids, topk,
+                                      weights, y, skip_mask);
+  int64_t handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handle = next_handle_++;
+    jobs_[handle] = job;
+  }
+  global_pool().submit(job);
+  return handle;
+}
+
+bool MoEEngine::wait(int64_t handle) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(handle);
+    if (it == jobs_.end()) return false;
+    job = it->second;
+    jobs_.erase(it);
+  }
+  job->wait();
+  return true;
+}
+
+int MoEEngine::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(jobs_.size());
+}
+
+}  // namespace hetmoe

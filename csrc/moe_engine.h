@@ -1,0 +1,45 @@
+// One MoE layer's routed experts on the CPU: routing, the phases of a forward, async jobs.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace hetmoe {
+
+enum DType : int { kF32 = 0, kBF16Data = 1 };
+
+class MoEEngine {
+ public:
+  MoEEngine(int experts, int hidden, int intermediate, const Proj& gate, const Proj& up, const Proj& down,
+            const KernelTable* kernels, int gemv_max_tokens);
+
+  // Starts a forward; the pointers must stay valid until wait(). Returns a handle.
+  int64_t submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk, const float* weights,
+                 void* y, const uint8_t* skip_mask);
+  // Blocks until the job is done; false if the handle is not pending.
+  bool wait(int64_t handle);
+  int pending() const;
+
+  int experts() const { return E_; }
+  const KernelTable* kernels() const { return kt_; }
+
+ private:
+  int E_, H_, I_;
+  Proj gate_, up_, down_;
+  const KernelTable* kt_;
+  int gemv_max_;
+  mutable std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<Job>> jobs_;
+  int64_t next_handle_ = 1;
+};
+
+// The process-wide pool all engines share; created on first use.
+ThreadPool& global_pool();
+void set_pool_threads(int threads);
+int pool_threads();
+
+}  // namespace hetmoe

@@ -1,0 +1,155 @@
+#include "thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+
+namespace hetmoe {
+
+void Job::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
+}
+
+void Job::finish() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+namespace {
+
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+void pin_to(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: a refusal is harmless
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads) {
+  const std::vector<int> cpus = allowed_cpus();
+  for (int i = 0; i < threads; ++i) {
+    const int cpu = cpus.empty() ? -1 : cpus[i % cpus.size()];
+    workers_.emplace_back([this, i, cpu] { worker_main(i, cpu); });
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    // Let submitted work finish first: a waiter must never be left hanging on a job the pool dropped.
+    std::unique_lock<std::mutex> lock(mu_);
+    while (state_ || !queue_.empty()) {
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      lock.lock();
+    }
+    stop_ = true;
+    generation_.fetch_add(1);
+  }
+  cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+void ThreadPool::submit(std::shared_ptr<Job> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_) {
+      queue_.push_back(std::move(job));
+      return;
+    }
+    publish_locked(std::move(job), 0);
+  }
+  cv_.notify_all();
+}
+
+void ThreadPool::publish_locked(std::shared_ptr<Job> job, int index) {
+  // Skip empty phases; a job whose phases are all done is finished here and the next queued
+  // job (if any) starts.
+  while (job) {
+    Phase phase = job->next_phase(index);
+    if (phase.items == 0) {
+      ++index;
+      continue;
+    }
+    if (phase.items > 0) {
+      auto st = std::make_shared<PhaseState>();
+      st->job = std::move(job);
+      st->phase = std::move(phase);
+      st->index = index;
+      state_ = std::move(st);
+      busy_.store(true, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    job->finish();
+    job.reset();
+    index = 0;
+    if (!queue_.empty()) {
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+  }
+  state_.reset();
+  busy_.store(false, std::memory_order_relaxed);
+}
+
+void ThreadPool::advance(const std::shared_ptr<PhaseState>& done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    publish_locked(done->job, done->index + 1);
+  }
+  cv_.notify_all();
+}
+
+void ThreadPool::worker_main(int id, int cpu) {
+  pin_to(cpu);
+  uint64_t seen = 0;
+  for (;;) {
+    // While a job runs, spin briefly for its next phase; with no job, sleep at once.
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+    while (generation_.load(std::memory_order_acquire) == seen && busy_.load(std::memory_order_relaxed) &&
+           std::chrono::steady_clock::now() < spin_until) {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+    }
+    std::shared_ptr<PhaseState> st;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || generation_.load(std::memory_order_acquire) != seen; });
+      if (stop_) return;
+      seen = generation_.load(std::memory_order_acquire);
+      st = state_;
+    }
+    if (!st) continue;
+    const int items = st->phase.items;
+    for (int i = st->next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = st->next.fetch_add(1, std::memory_order_relaxed)) {
+      st->phase.run(i, id);
+      if (st->finished.fetch_add(1, std::memory_order_acq_rel) + 1 == items) advance(st);
+    }
+  }
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,61 @@
+"""Load the compiled engine and choose its instruction-set variant.
+
+The variant is chosen once per process from CPUID (best of amx > avx512 > avx2), or forced with
+``HETMOE_ISA=avx2|avx512|amx``; forcing one the CPU (or OS) lacks raises a ValueError that says
+what is missing, it never executes an illegal instruction.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+ISA_ENV = "HETMOE_ISA"
+_module: ModuleType | None = None
+
+
+class EngineUnavailableError(RuntimeError):
+    pass
+
+
+def engine_module() -> ModuleType:
+    """``hetmoe._C`` with a variant selected; a clear error if it was not built or cannot run."""
+    global _module
+    if _module is None:
+        try:
+            from .. import _C
+        except ImportError as exc:
+            raise EngineUnavailableError(
+                f"hetmoe's compiled engine is not available ({exc}); reinstall with `pip install -e .` "
+                "(needs a C++17 compiler) on an x86-64 machine"
+            ) from None
+        requested = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+        _C.select_isa(requested)
+        _module = _C
+    return _module
+
+
+def select_isa(isa: str) -> str:
+    """Select ``avx2``, ``avx512``, ``amx`` or ``auto`` for engines created from now on."""
+    return engine_module().select_isa(isa)
+
+
+def selected_isa() -> str:
+    return engine_module().selected_isa()
+
+
+def set_num_threads(threads: int) -> None:
+    """Worker threads of the engine's pool (0 = one per usable CPU); takes effect for the next job."""
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0, got {threads}")
+    engine_module().set_num_threads(threads)
+
+
+def isa_report() -> dict[str, Any]:
+    """CPU features as the engine sees them, the best and the selected variant."""
+    try:
+        mod = engine_module()
+    except (EngineUnavailableError, ValueError) as exc:
+        return {"available": False, "error": str(exc)}
+    return {"available": True, "features": mod.cpu_features(), "best": mod.best_isa(), "selected": mod.selected_isa()}

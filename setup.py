@@ -1,0 +1,68 @@
+"""Build hetmoe's compiled CPU engine (hetmoe._C); everything else is in pyproject.toml.
+
+Each ISA translation unit gets its own -m flags; the rest is baseline x86-64, so importing the
+module never executes an instruction the CPU lacks: the variant is chosen at run time from CPUID.
+"""
+
+import platform
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+SOURCES = ["bindings.cpp", "moe_engine.cpp", "thread_pool.cpp", "cpu_features.cpp"]
+ISA_SOURCES = {
+    "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "kernels_amx.cpp": [
+        "-mamx-tile",
+        "-mamx-bf16",
+        "-mamx-int8",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512vnni",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+    ],
+}
+
+
+class BuildWithISAFlags(build_ext):
+    """build_ext that adds each ISA unit's own flags to that unit only."""
+
+    def build_extensions(self) -> None:
+        compiler = self.compiler
+        original = compiler._compile
+
+        def compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            flags = ISA_SOURCES.get(Path(src).name, [])
+            return original(obj, src, ext, cc_args, [*extra_postargs, *flags], pp_opts)
+
+        compiler._compile = compile_one
+        super().build_extensions()
+
+
+ext_modules = []
+if platform.machine().lower() in ("x86_64", "amd64"):
+    ext_modules.append(
+        Pybind11Extension(
+            "hetmoe._C",
+            sorted(str(Path("csrc") / s) for s in [*SOURCES, *ISA_SOURCES]),
+            cxx_std=17,
+            extra_compile_args=[
+                "-O3",
+                "-fno-math-errno",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Wno-maybe-uninitialized",
+                "-Wno-uninitialized",
+            ],
+            extra_link_args=["-pthread"],
+        )
+    )
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildWithISAFlags})
