@@ -9,6 +9,7 @@
 
 #include "cpu_features.h"
 #include "kernels.h"
+#include "measure.h"
 #include "moe_engine.h"
 
 namespace py = pybind11;
@@ -93,6 +94,21 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("isa"), "select the kernel variant for engines created from now on; raises if the CPU lacks it");
   m.def("selected_isa", [] { return std::string(g_selected ? g_selected->name : ""); });
+  m.def(
+      "measure_read_bandwidth",
+      [](int64_t bytes, int threads, int repeats) {
+        py::gil_scoped_release release;
+        return measure_read_bandwidth(bytes, threads, repeats);
+      },
+      py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 5, "best GB/s streaming a buffer of `bytes`");
+  m.def(
+      "measure_fma_peak",
+      [](int threads, double seconds) {
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        py::gil_scoped_release release;
+        return measure_fma_peak(g_selected, threads, seconds);
+      },
+      py::arg("threads"), py::arg("seconds") = 0.5, "GFLOP/s of fp32 FMA with the selected variant");
   m.def("set_num_threads", &set_pool_threads, py::arg("threads"));
   m.def("num_threads", &pool_threads);
 

@@ -59,6 +59,9 @@ struct KernelTable {
   void (*silu_mul)(const float* g, const float* u, float* h, int n);
   // dst[i] = float(src_bf16[i])
   void (*bf16_to_f32)(const uint16_t* src, float* dst, int n);
+  // Independent FMA chains for `iters` rounds (the doctor's peak measurement); returns the flops
+  // done. `sink` receives a result so the work cannot be optimized away.
+  double (*fma_burn)(int64_t iters, float* sink);
 };
 
 const KernelTable* avx2_kernels();

@@ -181,6 +181,7 @@ const KernelTable kTable = {
     quantize_row,
     silu_mul,
     bf16_to_f32,
+    fma_burn,
 };
 
 }  // namespace

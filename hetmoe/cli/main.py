@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from ..checkpoint.errors import CheckpointError
-from ..formats.base import FormatError
-from . import demo, inspect_cmd
+from ..kernels.dispatch import EngineUnavailableError
+from . import bench, demo, doctor, inspect_cmd
 
-COMMANDS = (inspect_cmd, demo)
+COMMANDS = (inspect_cmd, demo, doctor, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
-    except (CheckpointError, FormatError) as exc:
+    except (ValueError, EngineUnavailableError) as exc:
+        # Bad input and unmet requirements (FormatError and CheckpointError are ValueErrors) get one
+        # clear line; HETMOE_DEBUG=1 shows the traceback instead.
+        if os.environ.get("HETMOE_DEBUG"):
+            raise
         print(f"hetmoe {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

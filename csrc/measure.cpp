@@ -1,0 +1,113 @@
+#include "measure.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+namespace hetmoe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<int> usable_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+void pin(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+// Runs body(i) on `threads` pinned threads that start together; returns the wall seconds.
+template <typename F>
+double run_parallel(int threads, F body) {
+  const std::vector<int> cpus = usable_cpus();
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i)
+    pool.emplace_back([&, i] {
+      if (!cpus.empty()) pin(cpus[i % cpus.size()]);
+      ready.fetch_add(1);
+      while (!go.load()) std::this_thread::yield();
+      body(i);
+    });
+  while (ready.load() < threads) std::this_thread::yield();
+  const auto t0 = Clock::now();
+  go.store(true);
+  for (auto& t : pool) t.join();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+double measure_read_bandwidth(int64_t bytes, int threads, int repeats) {
+  const size_t n = size_t(bytes) / sizeof(uint64_t);
+  std::unique_ptr<uint64_t[]> buf(new uint64_t[n]);
+  // Touch every page from the thread that will read it (first-touch NUMA placement).
+  run_parallel(threads, [&](int i) {
+    const size_t lo = n * i / threads, hi = n * (i + 1) / threads;
+    for (size_t j = lo; j < hi; ++j) buf[j] = j;
+  });
+  std::vector<uint64_t> sums(threads);
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const double sec = run_parallel(threads, [&](int i) {
+      const size_t lo = n * i / threads, hi = n * (i + 1) / threads;
+      uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+      size_t j = lo;
+      for (; j + 4 <= hi; j += 4) {  // four chains: the loads, not the adds, must be the limit
+        s0 += buf[j];
+        s1 += buf[j + 1];
+        s2 += buf[j + 2];
+        s3 += buf[j + 3];
+      }
+      for (; j < hi; ++j) s0 += buf[j];
+      sums[i] = s0 + s1 + s2 + s3;
+    });
+    best = std::max(best, double(n * sizeof(uint64_t)) / sec / 1e9);
+  }
+  volatile uint64_t sink = 0;
+  for (uint64_t s : sums) sink = sink + s;
+  return best;
+}
+
+double measure_fma_peak(const KernelTable* kernels, int threads, double seconds) {
+  // Calibrate the iteration count on one thread, then run all threads together.
+  float sink = 0;
+  int64_t iters = 1 << 16;
+  for (;;) {
+    const auto t0 = Clock::now();
+    kernels->fma_burn(iters, &sink);
+    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (sec > 0.05) {
+      iters = int64_t(double(iters) * seconds / sec);
+      break;
+    }
+    iters *= 4;
+  }
+  std::vector<double> flops(threads);
+  std::vector<float> sinks(threads);
+  const double sec = run_parallel(threads, [&](int i) { flops[i] = kernels->fma_burn(iters, &sinks[i]); });
+  double total = 0;
+  for (double f : flops) total += f;
+  return total / sec / 1e9;
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,16 @@
+// Machine measurements for `hetmoe doctor`: sustained read bandwidth and peak FMA throughput.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace hetmoe {
+
+// Best-of-`repeats` GB/s reading a `bytes` buffer (larger than the last-level cache) with
+// `threads` pinned threads, each streaming its own slice.
+double measure_read_bandwidth(int64_t bytes, int threads, int repeats);
+
+// GFLOP/s of independent fp32 FMA chains on `threads` threads for about `seconds`.
+double measure_fma_peak(const KernelTable* kernels, int threads, double seconds);
+
+}  // namespace hetmoe

@@ -1,0 +1,201 @@
+"""``hetmoe bench moe``: one MoE layer's routed experts at a real model's shape, per method and
+token count, hetmoe's engine against the torch baseline in the same run, with the machine's
+measured bandwidth and FMA peak as the roofline.
+
+Routing is uniform random over all experts and redrawn every repetition, so decode streams its
+experts from DRAM rather than from cache (the layer's experts are far larger than the caches at
+real shapes). Times are medians over repetitions; min and max are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..kernels import moe_forward_reference, select_isa, set_num_threads
+from ..kernels.machine import measure_machine
+from ..models.shapes import MoEShape, get_shape
+from ..runtime import CPUExperts
+from .baseline import TorchExperts
+from .layers import dequantize_expert, random_projection
+
+DEFAULT_TOKENS = (1, 8, 32, 128, 512)
+
+
+@dataclass
+class BenchConfig:
+    shape: str = "qwen3-30b-a3b"
+    methods: tuple[str, ...] = ("bf16", "int8", "int4")
+    tokens: tuple[int, ...] = DEFAULT_TOKENS
+    threads: int = 0
+    experts: int | None = None  # scale the expert count down to fit memory
+    group_size: int = 32
+    baseline: bool = True
+    isa: str = "auto"
+    seed: int = 0
+    min_seconds: float = 1.0  # per (method, tokens, impl): repeat until this much time is spent
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _reps(tokens: int) -> int:
+    return 30 if tokens <= 8 else 10 if tokens <= 64 else 5
+
+
+def _time(fn, reps: int, min_seconds: float) -> list[float]:
+    fn()  # warm-up: page in, allocate, spin up the pool
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < min_seconds and len(times) < 10 * reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _rel_err(
+    shape: MoEShape, experts: int, layer: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+) -> float:
+    """Relative error of ``y`` against the float64 reference built from the experts ``ids`` uses."""
+    used = [e for e in ids.unique().tolist() if e >= 0]
+    remap = torch.full((experts,), -1, dtype=torch.int64)
+    remap[used] = torch.arange(len(used))
+    deq = [torch.stack([dequantize_expert(q, e) for e in used]) for q in layer]
+    ref = moe_forward_reference(x.float(), *deq, remap[ids.clamp(min=0)].masked_fill(ids < 0, -1), w)
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
+    shape = get_shape(cfg.shape)
+    experts = cfg.experts or shape.experts
+    if experts < shape.top_k:
+        raise ValueError(f"--experts {experts} is below the shape's top-k {shape.top_k}")
+    isa = select_isa(cfg.isa)
+    if cfg.threads:
+        set_num_threads(cfg.threads)
+    machine = measure_machine(cfg.threads or None)
+    log(
+        f"machine: read {machine['read_gb_per_s']} GB/s, fp32 FMA {machine['fma_gflop_per_s']} GFLOP/s "
+        f"({machine['threads']} threads, {machine['isa']}); kernels: {isa}"
+    )
+    records = []
+    h, i, k = shape.hidden, shape.intermediate, shape.top_k
+    for method in cfg.methods:
+        layer = (
+            random_projection(method, experts, i, h, cfg.group_size, cfg.seed),
+            random_projection(method, experts, i, h, cfg.group_size, cfg.seed + 1),
+            random_projection(method, experts, h, i, cfg.group_size, cfg.seed + 2),
+        )
+        impls: dict[str, Any] = {"hetmoe": CPUExperts(*layer)}
+        if cfg.baseline:
+            impls["torch"] = TorchExperts(*layer)
+        bytes_per_expert = sum(q.nbytes for q in layer) / experts
+        for tokens in cfg.tokens:
+            gen = torch.Generator().manual_seed(cfg.seed + tokens)
+            x = (torch.randn(tokens, h, generator=gen) * 0.5).bfloat16()
+            for name, impl in impls.items():
+                routings = []
+
+                def step(impl=impl, routings=routings, gen=gen, tokens=tokens, x=x) -> None:
+                    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+                    w = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+                    routings.append(len(ids.unique()))
+                    impl.forward(x, ids, w)
+
+                times = _time(step, _reps(tokens), cfg.min_seconds)
+                ms = statistics.median(times) * 1e3
+                active = statistics.median(routings)
+                ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+                w = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+                rel = _rel_err(shape, experts, layer, x, ids, w, impl.forward(x, ids, w))
+                rec = {
+                    "impl": name,
+                    "method": method,
+                    "tokens": tokens,
+                    "threads": machine["threads"],
+                    "isa": isa if name == "hetmoe" else "torch",
+                    "ms": round(ms, 4),
+                    "ms_min": round(min(times) * 1e3, 4),
+                    "ms_max": round(max(times) * 1e3, 4),
+                    "reps": len(times),
+                    "active_experts": active,
+                    "gb_per_s": round(active * bytes_per_expert / (ms / 1e3) / 1e9, 2),
+                    "gflop_per_s": round(shape.layer_flops(tokens) / (ms / 1e3) / 1e9, 1),
+                    "rel_err": float(f"{rel:.3g}"),
+                }
+                rec["bw_fraction"] = round(rec["gb_per_s"] / machine["read_gb_per_s"], 3)
+                rec["peak_fraction"] = round(rec["gflop_per_s"] / machine["fma_gflop_per_s"], 3)
+                records.append(rec)
+                log(format_row(rec))
+    return {
+        "shape": shape.__dict__,
+        "experts": experts,
+        "group_size": cfg.group_size,
+        "machine": machine,
+        "records": records,
+    }
+
+
+HEADER = (
+    f"{'impl':7s} {'method':6s} {'tokens':>6s} {'ms':>9s} {'min':>9s} {'max':>9s} {'GB/s':>7s} {'%BW':>5s} "
+    f"{'GFLOP/s':>8s} {'%peak':>6s} {'rel_err':>8s}"
+)
+
+
+def format_row(r: dict[str, Any]) -> str:
+    return (
+        f"{r['impl']:7s} {r['method']:6s} {r['tokens']:6d} {r['ms']:9.3f} {r['ms_min']:9.3f} {r['ms_max']:9.3f} "
+        f"{r['gb_per_s']:7.2f} {r['bw_fraction'] * 100:5.0f} {r['gflop_per_s']:8.1f} {r['peak_fraction'] * 100:6.0f} "
+        f"{r['rel_err']:8.1e}"
+    )
+
+
+def format_table(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        f"MoE layer {result['shape']['name']} (hidden {result['shape']['hidden']}, intermediate "
+        f"{result['shape']['intermediate']}, {result['experts']} experts, top-{result['shape']['top_k']}); "
+        f"roofline: {m['read_gb_per_s']} GB/s read, {m['fma_gflop_per_s']} GFLOP/s fp32 FMA, {m['threads']} threads",
+        HEADER,
+    ]
+    lines += [format_row(r) for r in result["records"]]
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def plot_roofline(result: dict[str, Any], path: str) -> None:
+    """Achieved GFLOP/s against arithmetic intensity, under the bandwidth and FMA roofs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+    m = result["machine"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [0.05, 1000]
+    ax.plot(xs, [min(m["fma_gflop_per_s"], x * m["read_gb_per_s"]) for x in xs], "k-", label="roofline")
+    ai = [m["fma_gflop_per_s"] / m["read_gb_per_s"]]
+    ax.plot([0.05, ai[0], 1000], [0.05 * m["read_gb_per_s"], m["fma_gflop_per_s"], m["fma_gflop_per_s"]], "k-")
+    for r in result["records"]:
+        intensity = r["gflop_per_s"] / max(r["gb_per_s"], 1e-9)
+        marker = "o" if r["impl"] == "hetmoe" else "x"
+        ax.scatter(intensity, r["gflop_per_s"], marker=marker, label=f"{r['impl']} {r['method']} T={r['tokens']}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("flop per byte of expert weights")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(f"MoE layer {result['shape']['name']}: {m['threads']} threads")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

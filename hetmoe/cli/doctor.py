@@ -1,0 +1,148 @@
+"""``hetmoe doctor``: what this machine has, what it can run, and how fast it should be."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..formats import get_codec
+from ..hw import cpu_info
+from ..kernels.dispatch import isa_report
+from ..models.shapes import SHAPES, get_shape
+
+# Fraction of the measured read bandwidth the engine reaches on decode (docs/benchmarks.md);
+# estimates use it so they promise what the benchmark shows, not the roofline.
+DECODE_EFFICIENCY = 0.7
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="CPU features, selected kernel variant, measured bandwidth and FMA peak, and what fits",
+        description=(
+            "Reports the CPU (ISA flags, cores, NUMA nodes, caches), the engine's selected kernel variant, torch and "
+            "its devices, then measures read bandwidth and fp32 FMA peak for a few seconds (cached; --remeasure to "
+            "redo) and estimates decode tokens/s of a model shape per method."
+        ),
+        epilog="examples:\n  hetmoe doctor\n  hetmoe doctor --model deepseek-v3 --threads 2 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="qwen3-30b-a3b", help=f"model shape to estimate ({', '.join(SHAPES)})")
+    p.add_argument("--threads", type=int, default=0, help="threads to measure with (default: all usable CPUs)")
+    p.add_argument("--remeasure", action="store_true", help="ignore the cached measurement")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(run=run)
+
+
+def _torch_report() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"version": torch.__version__, "cuda": torch.cuda.is_available()}
+    if out["cuda"]:
+        out["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
+
+
+def _ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def estimate(model: str, read_gb_per_s: float) -> list[dict[str, Any]]:
+    """Decode tokens/s per method for a model shape, from bytes read per token."""
+    shape = get_shape(model)
+    rows = []
+    for method, params in (("bf16", {}), ("fp8", {}), ("int8", {}), ("int4", {"group_size": 32})):
+        bits = get_codec(method, **params).bits_per_weight((shape.intermediate, shape.hidden))
+        expert_bytes = shape.active_expert_params() * bits / 8
+        dense_bytes = shape.dense_params * bits / 8
+        total_experts_gb = shape.expert_params * shape.experts * shape.moe_layers * bits / 8 / 1e9
+        per_token = (expert_bytes + dense_bytes) / (read_gb_per_s * 1e9 * DECODE_EFFICIENCY)
+        rows.append(
+            {
+                "method": method,
+                "bits_per_weight": round(bits, 3),
+                "experts_gb": round(total_experts_gb, 1),
+                "bytes_per_token_mb": round((expert_bytes + dense_bytes) / 1e6, 1),
+                "decode_tokens_per_s": round(1.0 / per_token, 1) if per_token > 0 else 0.0,
+            }
+        )
+    return rows
+
+
+def report(model: str, threads: int, remeasure: bool) -> dict[str, Any]:
+    info = cpu_info()
+    isa = isa_report()
+    out: dict[str, Any] = {"cpu": info.as_dict(), "engine": isa, "torch": _torch_report(), "ram_bytes": _ram_bytes()}
+    if isa.get("available"):
+        from ..kernels.machine import measure_machine
+
+        out["measured"] = measure_machine(threads or None, refresh=remeasure)
+        out["estimate"] = {"model": model, "rows": estimate(model, out["measured"]["read_gb_per_s"])}
+    out["verdict"] = _verdict(out)
+    return out
+
+
+def _verdict(r: dict[str, Any]) -> list[str]:
+    lines = []
+    eng = r["engine"]
+    if not eng.get("available"):
+        lines.append(f"the compiled engine is unavailable: {eng.get('error')}")
+        return lines
+    best = eng["best"]
+    lines.append(
+        {
+            "amx": "AMX tiles available: prefill runs on AMX-BF16, everything else on AVX-512.",
+            "avx512": "AVX-512 with VNNI: every method runs with the avx512 kernels.",
+            "avx2": "AVX2+FMA: every method runs with the avx2 kernels (no AVX-512 here).",
+        }.get(best, "no supported vector ISA: the engine cannot run here")
+    )
+    if not r["torch"]["cuda"]:
+        lines.append("no CUDA device: models run fully on the CPU (device='cpu').")
+    ram = r["ram_bytes"] / 1e9
+    for row in r.get("estimate", {}).get("rows", []):
+        fits = "fits" if row["experts_gb"] < ram * 0.85 else "does NOT fit"
+        lines.append(
+            f"{r['estimate']['model']} {row['method']}: experts {row['experts_gb']} GB ({fits} in {ram:.0f} GB RAM), "
+            f"~{row['decode_tokens_per_s']} tokens/s decode"
+        )
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    r = report(args.model, args.threads, args.remeasure)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    cpu = r["cpu"]
+    print(
+        f"CPU      {cpu['model']} ({cpu['arch']}), {cpu['usable_cpus']} usable of {cpu['logical_cpus']} CPUs, "
+        f"{cpu['numa_nodes']} NUMA node(s)"
+    )
+    print(f"ISA      {' '.join(cpu['flags']) or '-'}")
+    print(f"caches   {', '.join(f'{k} {v}' for k, v in cpu['caches'].items()) or '-'}")
+    eng = r["engine"]
+    if eng.get("available"):
+        print(f"engine   best variant {eng['best']}, selected {eng['selected']}")
+    else:
+        print(f"engine   unavailable: {eng['error']}")
+    t = r["torch"]
+    print(f"torch    {t['version']}, CUDA {'yes: ' + ', '.join(t.get('devices', [])) if t['cuda'] else 'no'}")
+    print(f"RAM      {r['ram_bytes'] / 2**30:.1f} GiB")
+    if "measured" in r:
+        m = r["measured"]
+        print(
+            f"measured read bandwidth {m['read_gb_per_s']} GB/s, fp32 FMA peak {m['fma_gflop_per_s']} GFLOP/s "
+            f"({m['threads']} threads, {m['isa']}, {m['measured_at']})"
+        )
+    print("verdict:")
+    for line in r["verdict"]:
+        print(f"  - {line}")
+    return 0

@@ -1,0 +1,59 @@
+"""Measured limits of this machine: sustained read bandwidth and fp32 FMA peak, cached.
+
+Both are measured by the compiled engine (csrc/measure.cpp) in a few seconds and cached per
+(CPU model, thread count, kernel variant) under ``$XDG_CACHE_HOME/hetmoe`` so ``doctor`` and
+``bench`` agree and do not re-measure on every run. They are the roofline every benchmark
+reports against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..hw import cpu_info
+from .dispatch import engine_module
+
+BANDWIDTH_BUFFER_BYTES = 1 << 30  # larger than any last-level cache this is likely to meet
+
+
+def cache_path() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "hetmoe" / "machine.json"
+
+
+def measure_machine(threads: int | None = None, refresh: bool = False) -> dict[str, Any]:
+    """``{"read_gb_per_s", "fma_gflop_per_s", "threads", "isa", "cpu", "measured_at"}``."""
+    mod = engine_module()
+    info = cpu_info()
+    threads = threads or max(1, info.usable_cpus)
+    key = f"{info.model}|{threads}|{mod.selected_isa()}"
+    path = cache_path()
+    cache: dict[str, Any] = {}
+    if path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    if not refresh and key in cache:
+        return cache[key]
+    record = {
+        "read_gb_per_s": round(mod.measure_read_bandwidth(BANDWIDTH_BUFFER_BYTES, threads, 5), 2),
+        "fma_gflop_per_s": round(mod.measure_fma_peak(threads, 0.5), 1),
+        "threads": threads,
+        "isa": mod.selected_isa(),
+        "cpu": info.model,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    cache[key] = record
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home is no reason to fail a measurement
+        pass
+    return record

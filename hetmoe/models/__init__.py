@@ -1,0 +1,1 @@
+"""Model architectures: well-known MoE shapes (more adapters arrive with the hybrid runtime)."""

@@ -1,0 +1,60 @@
+"""doctor and bench moe: they run, report the documented fields, and their numbers are sane.
+
+Speed is never asserted here (benchmarks print it); only structure and accuracy.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetmoe.cli.doctor import estimate
+from hetmoe.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["engine"]["available"] and r["engine"]["best"] in ("avx2", "avx512", "amx")
+    assert r["measured"]["read_gb_per_s"] > 0.5 and r["measured"]["fma_gflop_per_s"] > 1
+    assert {row["method"] for row in r["estimate"]["rows"]} == {"bf16", "fp8", "int8", "int4"}
+    assert r["verdict"]
+
+
+def test_decode_estimate_scales_with_bits() -> None:
+    rows = {r["method"]: r for r in estimate("qwen3-30b-a3b", 20.0)}
+    assert (
+        rows["int4"]["decode_tokens_per_s"] > rows["int8"]["decode_tokens_per_s"] > rows["bf16"]["decode_tokens_per_s"]
+    )
+    assert rows["int4"]["bits_per_weight"] == pytest.approx(4.5)
+
+
+def test_bench_moe_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "moe", "--experts", "8", "--tokens", "1,9", "--min-seconds", "0", "--json", str(out)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "GB/s" in table and "torch" in table
+    result = json.loads(out.read_text())
+    assert {"read_gb_per_s", "fma_gflop_per_s"} <= result["machine"].keys()
+    recs = result["records"]
+    assert {(r["impl"], r["method"], r["tokens"]) for r in recs} == {
+        (i, m, t) for i in ("hetmoe", "torch") for m in ("bf16", "int8", "int4") for t in (1, 9)
+    }
+    for r in recs:
+        assert {"impl", "method", "tokens", "threads", "ms", "gb_per_s", "gflop_per_s", "rel_err"} <= r.keys()
+        assert r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+        # bf16 output rounding bounds both implementations' error against the float64 reference
+        assert r["rel_err"] < 1e-2, r
+
+
+def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "moe", "--tokens", "1,x"])
+    assert main(["bench", "moe", "--experts", "4", "--tokens", "1", "--min-seconds", "0"]) == 1
+    assert "below the shape's top-k" in capsys.readouterr().err
