@@ -46,24 +46,37 @@ std::string best_isa() {
   return "";
 }
 
+// (w, s, z, w_estride, w_rstride, s_estride, s_rstride, z_estride, z_rstride, n, k, group, s_row_div,
+//  method, scale_kind): built and checked by hetmoe/runtime/engine_layout.py; re-checked here where a
+// wrong value would make a kernel read out of bounds.
 Proj proj_from(const py::tuple& t) {
-  if (t.size() != 10) throw py::value_error("projection descriptor must have 10 fields");
+  if (t.size() != 15) throw py::value_error("projection descriptor must have 15 fields");
   Proj p;
   p.w = reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>());
   p.s = reinterpret_cast<const uint8_t*>(t[1].cast<uintptr_t>());
-  p.w_estride = t[2].cast<int64_t>();
-  p.w_rstride = t[3].cast<int64_t>();
-  p.s_estride = t[4].cast<int64_t>();
-  p.s_rstride = t[5].cast<int64_t>();
-  p.n = t[6].cast<int>();
-  p.k = t[7].cast<int>();
-  p.group = t[8].cast<int>();
-  p.method = t[9].cast<int>();
+  p.z = reinterpret_cast<const uint8_t*>(t[2].cast<uintptr_t>());
+  p.w_estride = t[3].cast<int64_t>();
+  p.w_rstride = t[4].cast<int64_t>();
+  p.s_estride = t[5].cast<int64_t>();
+  p.s_rstride = t[6].cast<int64_t>();
+  p.z_estride = t[7].cast<int64_t>();
+  p.z_rstride = t[8].cast<int64_t>();
+  p.n = t[9].cast<int>();
+  p.k = t[10].cast<int>();
+  p.group = t[11].cast<int>();
+  p.s_row_div = t[12].cast<int>();
+  p.method = t[13].cast<int>();
+  p.scale_kind = t[14].cast<int>();
   if (p.method < 0 || p.method >= kNumMethods) throw py::value_error("unknown method id");
-  if (p.k % 32 != 0) throw py::value_error("K must be a multiple of 32");
+  if (p.k % 32 != 0 || p.n <= 0) throw py::value_error("K must be a multiple of 32 and N positive");
+  if (p.s_row_div < 1) throw py::value_error("s_row_div must be >= 1");
   const bool pow2_blocks = p.group >= 32 && p.group % 32 == 0 && ((p.group / 32) & (p.group / 32 - 1)) == 0;
-  if (p.method == kInt4 && (!pow2_blocks || p.k % p.group != 0))
-    throw py::value_error("int4 group size must be 32 times a power of two (32, 64, 128, 256) and divide K");
+  if ((p.method == kInt4 || p.method == kMXFP4) && (!pow2_blocks || p.k % p.group != 0))
+    throw py::value_error("4-bit group size must be 32 times a power of two (32, 64, 128, 256) and divide K");
+  if (p.method == kMXFP4 && p.group != 32) throw py::value_error("mxfp4 scales cover 32 elements");
+  if ((p.method == kFP8 || p.method == kInt8) && (p.group <= 0 || p.group % 16 != 0))
+    throw py::value_error("fp8/int8 scale group must be a positive multiple of 16");
+  if (p.method != kBF16 && !p.s) throw py::value_error("this method needs scales");
   return p;
 }
 
@@ -114,13 +127,23 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<MoEEngine>(m, "MoEEngine")
       .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,
-                       const py::tuple& down, int gemv_max_tokens) {
+                       const py::tuple& down, int gemv_max_tokens, int activation, float alpha, float limit,
+                       uintptr_t gate_bias, uintptr_t up_bias, uintptr_t down_bias) {
              if (!g_selected) throw py::value_error("select_isa() must be called first");
-             return new MoEEngine(experts, hidden, intermediate, proj_from(gate), proj_from(up), proj_from(down),
+             if (activation != kSiluMul && activation != kSwigluOAI) throw py::value_error("unknown activation");
+             ActConfig act;
+             act.kind = activation;
+             act.alpha = alpha;
+             act.limit = limit;
+             act.gate_bias = reinterpret_cast<const float*>(gate_bias);
+             act.up_bias = reinterpret_cast<const float*>(up_bias);
+             act.down_bias = reinterpret_cast<const float*>(down_bias);
+             return new MoEEngine(experts, hidden, intermediate, proj_from(gate), proj_from(up), proj_from(down), act,
                                   g_selected, gemv_max_tokens);
            }),
            py::arg("experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"), py::arg("up"),
-           py::arg("down"), py::arg("gemv_max_tokens") = 4)
+           py::arg("down"), py::arg("gemv_max_tokens") = 4, py::arg("activation") = 0, py::arg("alpha") = 1.702f,
+           py::arg("limit") = 7.0f, py::arg("gate_bias") = 0, py::arg("up_bias") = 0, py::arg("down_bias") = 0)
       .def(
           "submit",
           [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,

@@ -9,27 +9,38 @@
 
 namespace hetmoe {
 
-// Storage methods the engine runs. The numbers cross the Python boundary (kernels/_engine.py).
+// Storage methods the engine runs. The numbers cross the Python boundary (runtime/engine_layout.py).
 enum Method : int {
-  kBF16 = 0,  // bf16 [N, K]
-  kInt8 = 1,  // int8 [N, K], fp32 scale per row
-  kInt4 = 2,  // uint8 [N, K/2] (low nibble = even k, value = code - 8), bf16 scale per group
-  kNumMethods = 3,
+  kBF16 = 0,   // bf16 [N, K]
+  kInt8 = 1,   // int8 [N, K], fp32 scale per row
+  kInt4 = 2,   // 4-bit codes [N, K/2] (low nibble = even k), w = (code - zero) * scale per group;
+               // zero = 8 or a uint8 [N, K/g] array; scale bf16 or fp16 (int4, int4-asym, gptq repacked)
+  kMXFP4 = 3,  // E2M1 codes as kInt4's layout, w = e2m1(code) * 2^(e8m0 - 127) per 32
+  kFP8 = 4,    // float8_e4m3fn [N, K], fp32 scale per (row block, column block) or per row
+  kNumMethods = 5,
 };
+
+enum ScaleKind : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2, kScaleE8M0 = 3 };
 
 constexpr int kActBlock = 32;   // activation quantization block (int16 codes + fp32 scale)
 constexpr int kGemvTokens = 4;  // the GEMV kernels take at most this many tokens per call
 constexpr int kPanelRows = 24;  // rows of a dequantized fp32 panel used by the GEMM kernels
 
 // One projection of every expert of a layer, e.g. gate: [E, N, K] in some method's layout.
+// Scales of row n live at s + e * s_estride + (n / s_row_div) * s_rstride, one per `group`
+// elements of K (int8: group = K; fp8 block: group = 128, s_row_div = 128).
 struct Proj {
   const uint8_t* w = nullptr;  // codes or values
   const uint8_t* s = nullptr;  // scales (unused for bf16)
+  const uint8_t* z = nullptr;  // kInt4 zero points, uint8 [N, K/group]; nullptr means 8
   int64_t w_estride = 0, w_rstride = 0;  // bytes between experts / rows of w
-  int64_t s_estride = 0, s_rstride = 0;  // bytes between experts / rows of s
-  int n = 0, k = 0;                      // rows (outputs), columns (inputs)
-  int group = 0;                         // int4 group size along K
+  int64_t s_estride = 0, s_rstride = 0;  // bytes between experts / scale rows
+  int64_t z_estride = 0, z_rstride = 0;
+  int n = 0, k = 0;   // rows (outputs), columns (inputs)
+  int group = 0;      // K elements sharing one scale
+  int s_row_div = 1;  // rows sharing one scale row
   int method = kBF16;
+  int scale_kind = kScaleF32;
 };
 
 // One activation row as the kernels want it: fp32 values, and for integer kernels int16 codes
@@ -57,6 +68,9 @@ struct KernelTable {
   void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d);
   // h[i] = silu(g[i]) * u[i]
   void (*silu_mul)(const float* g, const float* u, float* h, int n);
+  // Clamped SwiGLU of gpt-oss: g = min(g, limit); u = clamp(u, -limit, limit);
+  // h = (u + 1) * g * sigmoid(alpha * g)
+  void (*swiglu_oai)(const float* g, const float* u, float* h, int n, float alpha, float limit);
   // dst[i] = float(src_bf16[i])
   void (*bf16_to_f32)(const uint16_t* src, float* dst, int n);
   // Independent FMA chains for `iters` rounds (the doctor's peak measurement); returns the flops

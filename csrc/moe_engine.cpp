@@ -16,7 +16,15 @@ std::unique_ptr<T[]> uninit(size_t n) {
   return std::unique_ptr<T[]>(new T[n > 0 ? n : 1]);
 }
 
-int act_quant_for(int method) { return method == kInt4 ? kActPairs : method == kInt8 ? kActNatural : kActNone; }
+// The activation layout each method's GEMV kernel reads (Act in kernels.h).
+int act_quant_for(int method) {
+  switch (method) {
+    case kInt4:
+    case kMXFP4: return kActPairs;
+    case kInt8: return kActNatural;
+    default: return kActNone;
+  }
+}
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -69,11 +77,11 @@ struct ActBuffers {
 
 class MoEJob final : public Job {
  public:
-  MoEJob(int E, int H, int I, const Proj& gate, const Proj& up, const Proj& down, const KernelTable* kt,
-         int gemv_max, const void* x, int x_dtype, int T, const int64_t* ids, int topk, const float* weights,
-         void* y, const uint8_t* skip)
-      : H_(H), I_(I), gate_(gate), up_(up), down_(down), kt_(kt), gemv_max_(gemv_max), x_(x), x_dtype_(x_dtype),
-        T_(T), topk_(topk), weights_(weights), y_(y) {
+  MoEJob(int E, int H, int I, const Proj& gate, const Proj& up, const Proj& down, const ActConfig& act,
+         const KernelTable* kt, int gemv_max, const void* x, int x_dtype, int T, const int64_t* ids, int topk,
+         const float* weights, void* y, const uint8_t* skip)
+      : H_(H), I_(I), gate_(gate), up_(up), down_(down), act_(act), kt_(kt), gemv_max_(gemv_max), x_(x),
+        x_dtype_(x_dtype), T_(T), topk_(topk), weights_(weights), y_(y) {
     route(E, ids, skip);
     chunks_up_ = (I + kPanelRows - 1) / kPanelRows;
     chunks_down_ = (H + kPanelRows - 1) / kPanelRows;
@@ -148,6 +156,24 @@ class MoEJob final : public Job {
     x_act_.quantize(kt_, x_row(t), t);
   }
 
+  // h = act(g + gate_bias, u + up_bias) for `rows` tokens of one expert, columns [n0, n0 + R).
+  void activate(int expert, int n0, int R, float* g, int ldg, float* u, int ldu, int rows) const {
+    const float* gb = act_.gate_bias ? act_.gate_bias + size_t(expert) * I_ + n0 : nullptr;
+    const float* ub = act_.up_bias ? act_.up_bias + size_t(expert) * I_ + n0 : nullptr;
+    for (int i = 0; i < rows; ++i) {
+      float* gi = g + size_t(i) * ldg;
+      float* ui = u + size_t(i) * ldu;
+      if (gb)
+        for (int r = 0; r < R; ++r) gi[r] += gb[r];
+      if (ub)
+        for (int r = 0; r < R; ++r) ui[r] += ub[r];
+      if (act_.kind == kSwigluOAI)
+        kt_->swiglu_oai(gi, ui, gi, R, act_.alpha, act_.limit);
+      else
+        kt_->silu_mul(gi, ui, gi, R);
+    }
+  }
+
   void gate_up(int item) {
     const ActiveExpert& a = active_[item / chunks_up_];
     const int n0 = (item % chunks_up_) * kPanelRows, n1 = std::min(I_, n0 + kPanelRows), R = n1 - n0;
@@ -164,7 +190,7 @@ class MoEJob final : public Job {
         // Gate straight into h (row stride I), up into scratch; then h = silu(h) * up.
         kt_->gemv[gate_.method](gate_, a.expert, n0, n1, acts, nt, g, I_);
         kt_->gemv[up_.method](up_, a.expert, n0, n1, acts, nt, up_block, kPanelRows);
-        for (int i = 0; i < nt; ++i) kt_->silu_mul(g + size_t(i) * I_, up_block + i * kPanelRows, g + size_t(i) * I_, R);
+        activate(a.expert, n0, R, g, I_, up_block, kPanelRows, nt);
       }
       return;
     }
@@ -177,7 +203,7 @@ class MoEJob final : public Job {
     float* g = h_.get() + size_t(a.first_slot) * I_ + n0;
     kt_->gemm_panel(pg, R, H_, rows.data(), a.count, g, I_);
     kt_->gemm_panel(pu, R, H_, rows.data(), a.count, up_block, kPanelRows);
-    for (int i = 0; i < a.count; ++i) kt_->silu_mul(g + size_t(i) * I_, up_block + i * kPanelRows, g + size_t(i) * I_, R);
+    activate(a.expert, n0, R, g, I_, up_block, kPanelRows, a.count);
   }
 
   void down(int item) {
@@ -194,6 +220,7 @@ class MoEJob final : public Job {
         }
         kt_->gemv[down_.method](down_, a.expert, n0, n1, acts, nt, out + size_t(t0) * H_, H_);
       }
+      add_down_bias(a, n0, R, out);
       return;
     }
     float* pd = sized(tl_scratch.panel_a, size_t(kPanelRows) * I_);
@@ -201,6 +228,14 @@ class MoEJob final : public Job {
     std::vector<const float*> rows(a.count);
     for (int i = 0; i < a.count; ++i) rows[i] = h_.get() + size_t(a.first_slot + i) * I_;
     kt_->gemm_panel(pd, R, I_, rows.data(), a.count, out, H_);
+    add_down_bias(a, n0, R, out);
+  }
+
+  void add_down_bias(const ActiveExpert& a, int n0, int R, float* out) const {
+    if (!act_.down_bias) return;
+    const float* b = act_.down_bias + size_t(a.expert) * H_ + n0;
+    for (int i = 0; i < a.count; ++i)
+      for (int r = 0; r < R; ++r) out[size_t(i) * H_ + r] += b[r];
   }
 
   void combine(int t) {
@@ -223,6 +258,7 @@ class MoEJob final : public Job {
 
   int H_, I_;
   Proj gate_, up_, down_;
+  ActConfig act_;
   const KernelTable* kt_;
   int gemv_max_;
   const void* x_;
@@ -270,14 +306,14 @@ int pool_threads() {
 }
 
 MoEEngine::MoEEngine(int experts, int hidden, int intermediate, const Proj& gate, const Proj& up, const Proj& down,
-                     const KernelTable* kernels, int gemv_max_tokens)
-    : E_(experts), H_(hidden), I_(intermediate), gate_(gate), up_(up), down_(down), kt_(kernels),
+                     const ActConfig& act, const KernelTable* kernels, int gemv_max_tokens)
+    : E_(experts), H_(hidden), I_(intermediate), gate_(gate), up_(up), down_(down), act_(act), kt_(kernels),
       gemv_max_(gemv_max_tokens) {}
 
 int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
                           const float* weights, void* y, const uint8_t* skip_mask) {
-  auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, kt_, gemv_max_, x, x_dtype, tokens, ids, topk,
-                                      weights, y, skip_mask);
+  auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, x, x_dtype, tokens, ids,
+                                      topk, weights, y, skip_mask);
   int64_t handle;
   {
     std::lock_guard<std::mutex> lock(mu_);

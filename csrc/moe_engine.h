@@ -12,10 +12,22 @@ namespace hetmoe {
 
 enum DType : int { kF32 = 0, kBF16Data = 1 };
 
+enum ActKind : int { kSiluMul = 0, kSwigluOAI = 1 };
+
+// The expert MLP's activation and optional biases (fp32, [E, I] for gate/up and [E, H] for down;
+// nullptr when absent): gpt-oss adds biases and uses its clamped SwiGLU.
+struct ActConfig {
+  int kind = kSiluMul;
+  float alpha = 1.702f, limit = 7.0f;
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
+};
+
 class MoEEngine {
  public:
   MoEEngine(int experts, int hidden, int intermediate, const Proj& gate, const Proj& up, const Proj& down,
-            const KernelTable* kernels, int gemv_max_tokens);
+            const ActConfig& act, const KernelTable* kernels, int gemv_max_tokens);
 
   // Starts a forward; the pointers must stay valid until wait(). Returns a handle.
   int64_t submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk, const float* weights,
@@ -30,6 +42,7 @@ class MoEEngine {
  private:
   int E_, H_, I_;
   Proj gate_, up_, down_;
+  ActConfig act_;
   const KernelTable* kt_;
   int gemv_max_;
   mutable std::mutex mu_;

@@ -21,7 +21,16 @@ from hetmoe.kernels.dispatch import engine_module
 from hetmoe.runtime import CPUExperts
 
 E, H, I = 8, 640, 256  # noqa: E741 - neither a multiple of the 24-row panels (tails exercised); both of 128
-FP32_BOUND = {"bf16": 1e-5, "int8": 3e-4, "int4": 3e-4}
+FP32_BOUND = {
+    "bf16": 1e-5,
+    "fp8": 1e-5,
+    "fp8-channel": 1e-5,
+    "int8": 3e-4,
+    "int4": 3e-4,
+    "int4-asym": 3e-4,
+    "gptq": 3e-4,
+    "mxfp4": 3e-4,
+}
 BF16_BOUND = 5e-3
 
 
@@ -49,16 +58,29 @@ def weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
+def _codec_params(method: str, group: int, layout: str) -> dict:
+    if method in ("int4", "int4-asym"):
+        return {"group_size": group, "layout": layout}
+    if method == "gptq":  # layout doubles as "sym,format" here
+        sym, fmt = (layout if "," in layout else "sym,gptq").split(",")
+        return {"group_size": group, "sym": sym == "sym", "checkpoint_format": fmt}
+    return {}
+
+
+_QUANTIZED: dict[tuple, list] = {}
+
+
 def _experts(weights, method: str, group: int = 32, layout: str = "bytes", **kw) -> CPUExperts:
-    params = {"group_size": group, "layout": layout} if method == "int4" else {}
-    codec = get_codec(method, **params)
-    qs = [codec.quantize(w) for w in weights]
-    return CPUExperts(*qs, **kw)
+    key = (id(weights), method, group, layout)
+    if key not in _QUANTIZED:  # quantize each configuration once per session
+        codec = get_codec(method, **_codec_params(method, group, layout))
+        _QUANTIZED[key] = [codec.quantize(w) for w in weights]
+    return CPUExperts(*_QUANTIZED[key], **kw)
 
 
-def _reference(ce: CPUExperts, x, ids, w, skip=None):
+def _reference(ce: CPUExperts, x, ids, w, skip=None, **kw):
     deq = [get_codec(q.method, **q.params).dequantize(q) for q in (ce.gate, ce.up, ce.down)]
-    return moe_forward_reference(x, *deq, ids, w, skip)
+    return moe_forward_reference(x, *deq, ids, w, skip, **kw)
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -82,24 +104,26 @@ CONFIGS = [
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("method", "group", "layout"), CONFIGS)
-@pytest.mark.parametrize("gemv_max", [0, 4, 1000], ids=["gemm", "mixed", "gemv"])
-def test_matches_reference(weights, isa: str, method: str, group: int, layout: str, gemv_max: int) -> None:
+def test_matches_reference(weights, isa: str, method: str, group: int, layout: str) -> None:
+    """Both paths (GEMV for few tokens per expert, dequantized-panel GEMM for many) and their mix."""
     select_isa(isa)
-    ce = _experts(weights, method, group, layout, gemv_max_tokens=gemv_max)
-    assert ce.isa == isa
-    for T, k in ((1, 4), (3, 2), (7, 8), (37, 3)):
-        ids, w = _routing(T, k, seed=T)
-        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
-        ref = _reference(ce, x, ids, w)
-        assert _rel(ce.forward(x, ids, w), ref) < FP32_BOUND[method], (T, k)
-        xb = x.bfloat16()
-        yb = ce.forward(xb, ids, w)
-        assert yb.dtype == torch.bfloat16
-        assert _rel(yb, _reference(ce, xb.float(), ids, w)) < BF16_BOUND, (T, k)
+    for gemv_max in (0, 4, 1000):  # all GEMM, mixed, all GEMV
+        ce = _experts(weights, method, group, layout, gemv_max_tokens=gemv_max)
+        assert ce.isa == isa
+        for T, k in ((1, 4), (7, 8), (37, 3)):
+            ids, w = _routing(T, k, seed=T)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+            ref = _reference(ce, x, ids, w)
+            assert _rel(ce.forward(x, ids, w), ref) < FP32_BOUND[method], (gemv_max, T, k)
+            if T == 7:
+                xb = x.bfloat16()
+                yb = ce.forward(xb, ids, w)
+                assert yb.dtype == torch.bfloat16
+                assert _rel(yb, _reference(ce, xb.float(), ids, w)) < BF16_BOUND, (gemv_max, T, k)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("method", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("method", ["bf16", "int8", "int4", "gptq", "mxfp4", "fp8"])
 def test_adversarial_routing(weights, isa: str, method: str) -> None:
     select_isa(isa)
     ce = _experts(weights, method)
@@ -183,9 +207,14 @@ def test_bad_construction(weights) -> None:
         CPUExperts(g, u, d, "int3")
     with pytest.raises(ValueError, match="multiple of 32"):
         CPUExperts(torch.randn(2, 8, 48), torch.randn(2, 8, 48), torch.randn(2, 48, 8), "bf16")
-    q = get_codec("int4-asym", group_size=32).quantize(g)
     with pytest.raises(ValueError, match="a method the CPU engine runs"):
-        CPUExperts(q, q, get_codec("int4-asym", group_size=32).quantize(d))
+        CPUExperts(*(get_codec("gguf:q8_0").quantize(w) for w in weights))
+    with pytest.raises(ValueError, match="activation"):
+        CPUExperts(g, u, d, "bf16", activation="gelu")
+    with pytest.raises(ValueError, match="gate_bias"):
+        CPUExperts(g, u, d, "bf16", gate_bias=torch.zeros(E, H))
+    with pytest.raises(ValueError, match="group size of 32, 64, 128 or 256"):
+        CPUExperts(*(get_codec("int4", group_size=16).quantize(w) for w in weights))
 
 
 def _run_with_isa(isa: str) -> subprocess.CompletedProcess:
@@ -203,3 +232,52 @@ def test_forcing_an_isa(isa: str) -> None:
         # A clear Python error naming what is missing, never a crash by illegal instruction.
         assert proc.returncode == 1, proc
         assert "ValueError" in proc.stderr and (isa in proc.stderr or "unknown ISA" in proc.stderr)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("method", ["bf16", "mxfp4", "int4"])
+def test_gpt_oss_activation_with_biases(weights, isa: str, method: str) -> None:
+    """gpt-oss's expert MLP: clamped SwiGLU (alpha 1.702, limit 7) with gate/up/down biases."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(11)
+    # Large enough gate/up values that the clamps are active for some elements.
+    scaled = tuple(w * 8 for w in weights)
+    biases = {
+        "gate_bias": torch.randn(E, I, generator=g),
+        "up_bias": torch.randn(E, I, generator=g),
+        "down_bias": torch.randn(E, H, generator=g) * 0.1,
+    }
+    codec = get_codec(method, **_codec_params(method, 32, "bytes"))
+    ce = CPUExperts(*(codec.quantize(w) for w in scaled), activation="swiglu-oai", **biases)
+    for T, k in ((1, 4), (21, 4)):
+        ids, w = _routing(T, k, seed=T)
+        x = torch.randn(T, H, generator=g)
+        ref = _reference(ce, x, ids, w, activation="swiglu-oai", **biases)
+        assert _rel(ce.forward(x, ids, w), ref) < FP32_BOUND[method] * 3, (T, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_ragged_blocks(isa: str) -> None:
+    """DeepSeek fp8 with N and K not multiples of the 128 block (ragged edge scales)."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 4, 352, 160
+    ws = (
+        torch.randn(e, i, h, generator=g) * 0.05,
+        torch.randn(e, i, h, generator=g) * 0.05,
+        torch.randn(e, h, i, generator=g) * 0.05,
+    )
+    ce = CPUExperts(*(get_codec("fp8").quantize(w) for w in ws))
+    assert ce.gate.tensors[".weight_scale_inv"].shape == (e, 2, 3)
+    for T in (1, 17):
+        ids = torch.randint(0, e, (T, 2), generator=g)
+        x = torch.randn(T, h, generator=g)
+        w = torch.rand(T, 2, generator=g)
+        assert _rel(ce.forward(x, ids, w), _reference(ce, x, ids, w)) < FP32_BOUND["fp8"]
+
+
+def test_gptq_repack_is_reported(weights) -> None:
+    ce = _experts(weights, "gptq", 128, "asym,gptq_v2")
+    codes = sum(w.numel() // 2 for w in weights)
+    assert ce.repacked_bytes >= codes
+    assert _experts(weights, "int4").repacked_bytes == 0

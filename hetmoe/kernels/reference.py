@@ -3,7 +3,9 @@
 ``x [T, H]`` (bf16 or fp32), ``topk_ids [T, k]`` int64 with -1 meaning skip, ``topk_weights
 [T, k]`` fp32; experts given in full precision (dequantize a codec's tensors first):
 ``gate, up [E, I, H]``, ``down [E, H, I]``. Each selected expert computes
-``down @ (silu(gate @ x) * (up @ x))`` and the results are summed with the routing weights.
+``down @ act(gate @ x + gate_bias, up @ x + up_bias) + down_bias`` and the results are summed with
+the routing weights; ``act`` is ``silu(g) * u`` or gpt-oss's clamped SwiGLU
+(``g = min(g, limit)``, ``u = clamp(u, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``).
 Math is float64 so that the reference itself contributes no error worth measuring.
 """
 
@@ -21,6 +23,13 @@ def moe_forward_reference(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     skip: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [T, H]`` in ``x``'s dtype; experts with ``skip[e]`` true contribute nothing."""
     xd = x.double()
@@ -30,7 +39,22 @@ def moe_forward_reference(
             continue
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
         xe = xd[tokens]
-        h = F.silu(xe @ gate[e].double().T) * (xe @ up[e].double().T)
+        g = xe @ gate[e].double().T
+        u = xe @ up[e].double().T
+        if gate_bias is not None:
+            g = g + gate_bias[e].double()
+        if up_bias is not None:
+            u = u + up_bias[e].double()
+        if activation == "silu":
+            h = F.silu(g) * u
+        elif activation == "swiglu-oai":
+            g = g.clamp(max=limit)
+            u = u.clamp(-limit, limit)
+            h = (u + 1) * g * torch.sigmoid(alpha * g)
+        else:
+            raise ValueError(f"activation: expected 'silu' or 'swiglu-oai', found {activation!r}")
         out = h @ down[e].double().T
+        if down_bias is not None:
+            out = out + down_bias[e].double()
         y.index_add_(0, tokens, out * topk_weights[tokens, slots].double().unsqueeze(1))
     return y.to(x.dtype)

@@ -16,10 +16,10 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..kernels.dispatch import engine_module
+from .engine_layout import ENGINE_METHODS, engine_projection
 
-# Method ids of the compiled engine (csrc/kernels.h) and the tensor holding codes / scales.
-ENGINE_METHODS = {"bf16": 0, "int8": 1, "int4": 2}
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ACTIVATIONS = {"silu": 0, "swiglu-oai": 1}
 
 
 @dataclass
@@ -33,64 +33,28 @@ def _as_quantized(w: torch.Tensor | QuantizedTensor, method: str, group_size: in
         return w
     if not isinstance(w, torch.Tensor):
         raise FormatError(name, "a torch.Tensor [E, N, K] or a QuantizedTensor", type(w).__name__)
-    params = {"group_size": group_size} if method == "int4" else {}
+    params = {"group_size": group_size} if method in ("int4", "int4-asym", "gptq") else {}
     return get_codec(method, **params).quantize(w.detach().cpu(), name)
 
 
-def _codes_and_scales(q: QuantizedTensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """The engine's view of a quantized projection: codes ``[E, N, bytes]``, scales, group size."""
-    if q.method == "bf16":
-        return q.tensors[".weight"], None, 0
-    if q.method == "int8":
-        return q.tensors[".weight"], q.tensors[".weight_scale"], 0
-    if q.method == "int4":
-        group = int(q.params.get("group_size", 0))
-        if q.params.get("layout", "bytes") == "compressed-tensors":
-            # int32 words hold 8 nibbles low-first: on a little-endian host their bytes are exactly
-            # the byte layout (two codes a byte, low nibble first), so the checkpoint runs as stored.
-            return q.tensors[".weight_packed"].view(torch.uint8), q.tensors[".weight_scale"], group
-        return q.tensors[".weight"], q.tensors[".weight_scale"], group
-    raise FormatError(name, f"a method the CPU engine runs: {sorted(ENGINE_METHODS)}", f"method {q.method!r}")
-
-
-def _descriptor(q: QuantizedTensor, name: str) -> tuple[tuple[int, ...], list[torch.Tensor]]:
-    codec = get_codec(q.method, **q.params)
-    codec.validate(q, name)
-    if len(q.shape) != 3:
-        raise FormatError(name, "stacked experts [E, N, K]", f"shape {list(q.shape)}")
-    _, n, k = q.shape
-    if k % 32:
-        raise FormatError(name, "K (input features) a multiple of 32 for the CPU engine", f"K={k}")
-    w, s, group = _codes_and_scales(q, name)
-    if q.method == "int4" and (group < 32 or group % 32 or (group // 32) & (group // 32 - 1)):
-        raise FormatError(name, "an int4 group size of 32, 64, 128 or 256 for the CPU engine", f"group_size={group}")
-    keep = [w] if s is None else [w, s]
-    for t, what in zip(keep, ("codes", "scales"), strict=False):
-        if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(-2) != t.shape[-1]):
-            raise FormatError(f"{name} {what}", "rows contiguous in memory", f"strides {list(t.stride())}")
-    ew, es = w.element_size(), (s.element_size() if s is not None else 0)
-    desc = (
-        w.data_ptr(),
-        s.data_ptr() if s is not None else 0,
-        w.stride(0) * ew,
-        w.stride(1) * ew,
-        s.stride(0) * es if s is not None else 0,
-        s.stride(1) * es if s is not None else 0,
-        n,
-        k,
-        group,
-        ENGINE_METHODS[q.method],
-    )
-    return desc, keep
+def _bias(b: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
+    if b is None:
+        return None
+    if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
+        found = list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+        raise FormatError(name, f"a bias tensor {list(shape)}", f"{found}")
+    return b.detach().float().contiguous()
 
 
 class CPUExperts:
     """One layer's routed experts on the CPU.
 
     ``gate``, ``up``: ``[E, I, H]``; ``down``: ``[E, H, I]``; each a ``QuantizedTensor`` in a
-    method the engine runs (bf16, int8, int4 in either layout), or a float tensor that is
-    quantized to ``method`` here. ``mask`` (bool ``[E]``) marks experts computed elsewhere (on a
-    GPU): they are skipped.
+    method the engine runs (``engine_layout.ENGINE_METHODS``: bf16, int8, int4 in either layout,
+    int4-asym, gptq, mxfp4, fp8, fp8-channel), or a float tensor that is quantized to ``method``
+    here. ``mask`` (bool ``[E]``) marks experts computed elsewhere (on a GPU): they are skipped.
+    ``activation="swiglu-oai"`` with ``alpha``/``limit`` and the optional biases gives gpt-oss's
+    expert MLP; the default is ``silu(gate) * up``.
     """
 
     def __init__(
@@ -103,16 +67,26 @@ class CPUExperts:
         group_size: int = 32,
         gemv_max_tokens: int = 4,
         mask: torch.Tensor | None = None,
+        activation: str = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        gate_bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
     ) -> None:
         fallback = method or "bf16"
         if method is not None and method not in ENGINE_METHODS:
-            raise FormatError("method", f"one of {sorted(ENGINE_METHODS)}", repr(method))
+            raise FormatError("method", f"one of {list(ENGINE_METHODS)}", repr(method))
+        if activation not in ACTIVATIONS:
+            raise FormatError("activation", f"one of {sorted(ACTIVATIONS)}", repr(activation))
         qs = [_as_quantized(w, fallback, group_size, n) for w, n in ((gate, "gate"), (up, "up"), (down, "down"))]
         if method is not None:
             for q, n in zip(qs, ("gate", "up", "down"), strict=True):
                 if q.method != method:
                     raise FormatError(n, f"weights in method {method!r}", f"method {q.method!r}")
         self.gate, self.up, self.down = qs
+        if len(self.gate.shape) != 3:
+            raise FormatError("gate", "stacked experts [E, I, H]", f"shape {list(self.gate.shape)}")
         e, i, h = self.gate.shape
         if tuple(self.up.shape) != (e, i, h):
             raise FormatError("up", f"shape {[e, i, h]} like gate", f"shape {list(self.up.shape)}")
@@ -120,13 +94,31 @@ class CPUExperts:
             raise FormatError("down", f"shape {[e, h, i]} (experts, hidden, intermediate)", f"{list(self.down.shape)}")
         self.experts, self.intermediate, self.hidden = e, i, h
         self.method = self.gate.method if len({q.method for q in qs}) == 1 else "mixed"
-        descs, self._keep = [], []
-        for q, n in zip(qs, ("gate", "up", "down"), strict=True):
-            d, keep = _descriptor(q, n)
-            descs.append(d)
-            self._keep += keep
-        mod = engine_module()
-        self._engine = mod.MoEEngine(e, h, i, *descs, gemv_max_tokens=max(0, int(gemv_max_tokens)))
+        self.activation = activation
+        biases = (
+            _bias(gate_bias, (e, i), "gate_bias"),
+            _bias(up_bias, (e, i), "up_bias"),
+            _bias(down_bias, (e, h), "down_bias"),
+        )
+        projs = [engine_projection(q, n) for q, n in zip(qs, ("gate", "up", "down"), strict=True)]
+        self.repacked_bytes = sum(p.repacked_bytes for p in projs)
+        # Everything the engine holds a pointer to must outlive it.
+        self._keep = [t for p in projs for t in (p.codes, p.scales, p.zeros) if t is not None]
+        self._keep += [b for b in biases if b is not None]
+        descs = [p.descriptor(*q.shape[1:]) for p, q in zip(projs, qs, strict=True)]
+        self._engine = engine_module().MoEEngine(
+            e,
+            h,
+            i,
+            *descs,
+            gemv_max_tokens=max(0, int(gemv_max_tokens)),
+            activation=ACTIVATIONS[activation],
+            alpha=float(alpha),
+            limit=float(limit),
+            gate_bias=biases[0].data_ptr() if biases[0] is not None else 0,
+            up_bias=biases[1].data_ptr() if biases[1] is not None else 0,
+            down_bias=biases[2].data_ptr() if biases[2] is not None else 0,
+        )
         self._mask = torch.zeros(e, dtype=torch.uint8)
         if mask is not None:
             self.set_mask(mask)

@@ -1,0 +1,134 @@
+"""How each stored method is handed to the compiled engine: which tensors, strides, kernel.
+
+Most methods run from their stored bytes as they are (memory-mapped checkpoints included):
+bf16, int8, int4 (both layouts: compressed-tensors' int32 words are the same bytes as two codes a
+byte, low nibble first), int4-asym with byte zero points, mxfp4 (gpt-oss blocks are rows of
+nibbles), fp8 block and fp8 per channel. Two need a one-time repack at load, done here per
+projection (bounded by one projection of one layer) and reported in ``repacked_bytes``:
+
+- gptq stores codes along K in int32 columns (``qweight [K/8, N]``); the engine streams rows, so the
+  codes are transposed to ``[N, K/2]`` bytes, scales to ``[N, K/g]``, zero points unpacked;
+- compressed-tensors int4-asym packs zero points along N; they are unpacked to ``[N, K/g]`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats import FormatError, QuantizedTensor, get_codec
+from ..formats.packing import pack_nibbles, unpack_int32
+
+# Engine ids: csrc/kernels.h Method and ScaleKind.
+BF16, INT8, INT4, MXFP4, FP8 = 0, 1, 2, 3, 4
+SCALE_F32, SCALE_BF16, SCALE_F16, SCALE_E8M0 = 0, 1, 2, 3
+ENGINE_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel")
+
+
+@dataclass
+class EngineProjection:
+    """One projection ``[E, N, K]`` as the engine reads it."""
+
+    codes: torch.Tensor  # [E, N, row bytes]
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    group: int
+    scale_row_div: int
+    method_id: int
+    scale_kind: int
+    repacked_bytes: int = 0
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    def descriptor(self, n: int, k: int) -> tuple[int, ...]:
+        def stride_bytes(t: torch.Tensor | None, dim: int) -> int:
+            return t.stride(dim) * t.element_size() if t is not None else 0
+
+        s, z = self.scales, self.zeros
+        return (
+            self.codes.data_ptr(),
+            s.data_ptr() if s is not None else 0,
+            z.data_ptr() if z is not None else 0,
+            stride_bytes(self.codes, 0),
+            stride_bytes(self.codes, 1),
+            stride_bytes(s, 0),
+            stride_bytes(s, 1),
+            stride_bytes(z, 0),
+            stride_bytes(z, 1),
+            n,
+            k,
+            self.group,
+            self.scale_row_div,
+            self.method_id,
+            self.scale_kind,
+        )
+
+
+def _rows_contiguous(t: torch.Tensor, name: str) -> torch.Tensor:
+    """The engine needs each row dense; stacked experts may be strided (views of fused tensors)."""
+    if t.stride(-1) != 1:
+        raise FormatError(name, "rows contiguous in memory (last stride 1)", f"strides {list(t.stride())}")
+    return t
+
+
+def _check_group(group: int, k: int, name: str) -> None:
+    if group < 32 or group % 32 or (group // 32) & (group // 32 - 1) or k % group:
+        raise FormatError(name, "a group size of 32, 64, 128 or 256 dividing K for the CPU engine", f"{group}")
+
+
+def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
+    """Validate ``q`` (stacked ``[E, N, K]``) and describe it for the engine, repacking if needed."""
+    if q.method not in ENGINE_METHODS:
+        raise FormatError(name, f"a method the CPU engine runs: {list(ENGINE_METHODS)}", f"method {q.method!r}")
+    codec = get_codec(q.method, **q.params)
+    codec.validate(q, name)
+    if len(q.shape) != 3:
+        raise FormatError(name, "stacked experts [E, N, K]", f"shape {list(q.shape)}")
+    e, n, k = q.shape
+    if k % 32:
+        raise FormatError(name, "K (input features) a multiple of 32 for the CPU engine", f"K={k}")
+    t = q.tensors
+    if q.method == "bf16":
+        return EngineProjection(_rows_contiguous(t[".weight"], name), None, None, k, 1, BF16, SCALE_F32)
+    if q.method == "int8":
+        s = t[".weight_scale"].float().contiguous()
+        return EngineProjection(_rows_contiguous(t[".weight"], name), s, None, k, 1, INT8, SCALE_F32)
+    if q.method in ("int4", "int4-asym"):
+        group = int(q.params.get("group_size", 32))
+        _check_group(group, k, name)
+        ct = q.params.get("layout", "bytes") == "compressed-tensors"
+        codes = t[".weight_packed"].view(torch.uint8) if ct else t[".weight"]
+        zeros, repacked = None, 0
+        if q.method == "int4-asym":
+            zeros = codec.zero_points(q).to(torch.uint8).contiguous() if ct else t[".weight_zero_point"]
+            repacked = zeros.numel() if ct else 0
+        scales = _rows_contiguous(t[".weight_scale"], name)
+        return EngineProjection(
+            _rows_contiguous(codes, name), scales, zeros, group, 1, INT4, SCALE_BF16, repacked_bytes=repacked
+        )
+    if q.method == "gptq":
+        group = int(q.params.get("group_size", 128))
+        group = k if group == -1 else group
+        _check_group(group, k, name)
+        codes = pack_nibbles(unpack_int32(t[".qweight"].transpose(-1, -2).contiguous()))  # [E, N, K/2]
+        scales = t[".scales"].transpose(-1, -2).contiguous()  # [E, N, K/g] fp16
+        zeros = None
+        if not q.params.get("sym", True):
+            zeros = codec.zero_points(q).transpose(-1, -2).to(torch.uint8).contiguous()
+        repacked = codes.numel() + scales.numel() * 2 + (zeros.numel() if zeros is not None else 0)
+        return EngineProjection(codes, scales, zeros, group, 1, INT4, SCALE_F16, repacked_bytes=repacked)
+    if q.method == "mxfp4":
+        blocks = t["_blocks"]
+        codes = blocks.reshape(e, n, k // 2) if blocks.is_contiguous() else blocks.contiguous().reshape(e, n, k // 2)
+        return EngineProjection(codes, _rows_contiguous(t["_scales"], name), None, 32, 1, MXFP4, SCALE_E8M0)
+    if q.method == "fp8":
+        bn, bk = (int(b) for b in q.params.get("block_size", (128, 128)))
+        if bk % 16:
+            raise FormatError(name, "an fp8 column block that is a multiple of 16", f"{bk}")
+        codes = _rows_contiguous(t[".weight"], name).view(torch.uint8)
+        scales = t[".weight_scale_inv"].float().contiguous()
+        return EngineProjection(codes, scales, None, bk, bn, FP8, SCALE_F32)
+    # fp8-channel
+    qc = codec.canonical(q, name)
+    codes = _rows_contiguous(qc.tensors[".weight"], name).view(torch.uint8)
+    return EngineProjection(codes, qc.tensors[".weight_scale"].contiguous(), None, k, 1, FP8, SCALE_F32)
