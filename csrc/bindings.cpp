@@ -74,8 +74,10 @@ Proj proj_from(const py::tuple& t) {
   if ((p.method == kInt4 || p.method == kMXFP4) && (!pow2_blocks || p.k % p.group != 0))
     throw py::value_error("4-bit group size must be 32 times a power of two (32, 64, 128, 256) and divide K");
   if (p.method == kMXFP4 && p.group != 32) throw py::value_error("mxfp4 scales cover 32 elements");
-  if ((p.method == kFP8 || p.method == kInt8) && (p.group <= 0 || p.group % 16 != 0))
-    throw py::value_error("fp8/int8 scale group must be a positive multiple of 16");
+  if (p.method == kFP8 && (p.group <= 0 || p.group % 16 != 0))
+    throw py::value_error("fp8 scale group must be a positive multiple of 16");
+  if (p.method == kInt8 && p.scale_kind == kScaleF16 && (!pow2_blocks || p.k % p.group != 0))
+    throw py::value_error("int8 group scales must cover 32 times a power of two elements and divide K");
   if (p.method != kBF16 && !p.s) throw py::value_error("this method needs scales");
   return p;
 }

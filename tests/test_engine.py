@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hetmoe.formats import get_codec
+from hetmoe.formats import QuantizedTensor, get_codec
 from hetmoe.kernels import moe_forward_reference, select_isa
 from hetmoe.kernels.dispatch import engine_module
 from hetmoe.runtime import CPUExperts
@@ -208,7 +208,7 @@ def test_bad_construction(weights) -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         CPUExperts(torch.randn(2, 8, 48), torch.randn(2, 8, 48), torch.randn(2, 48, 8), "bf16")
     with pytest.raises(ValueError, match="a method the CPU engine runs"):
-        CPUExperts(*(get_codec("gguf:q8_0").quantize(w) for w in weights))
+        CPUExperts(*(QuantizedTensor("nf4", tuple(w.shape), {".weight": w}) for w in weights))
     with pytest.raises(ValueError, match="activation"):
         CPUExperts(g, u, d, "bf16", activation="gelu")
     with pytest.raises(ValueError, match="gate_bias"):
@@ -281,3 +281,28 @@ def test_gptq_repack_is_reported(weights) -> None:
     codes = sum(w.numel() // 2 for w in weights)
     assert ce.repacked_bytes >= codes
     assert _experts(weights, "int4").repacked_bytes == 0
+
+
+@pytest.mark.parametrize("ggml", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16"])
+def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Q8_0/Q4_0 repack exactly; the other block types are transcoded with the SNR printed; either way
+    the output matches the float64 reference built from hetmoe's GGUF decoders (= the gguf package's)."""
+    g = torch.Generator().manual_seed(2)
+    e, h, i = 4, 512, 256
+    ws = (
+        torch.randn(e, i, h, generator=g) * 0.05,
+        torch.randn(e, i, h, generator=g) * 0.05,
+        torch.randn(e, h, i, generator=g) * 0.05,
+    )
+    codec = get_codec(f"gguf:{ggml}")
+    qs = [codec.quantize(w) for w in ws]
+    ce = CPUExperts(*qs)
+    message = capsys.readouterr().err
+    exact = ggml in ("q8_0", "q4_0", "bf16")
+    assert ("SNR" in message) == (not exact) and ggml.upper() in message
+    deq = [codec.dequantize(q) for q in qs]
+    ids = torch.randint(0, e, (13, 2), generator=g)
+    x = torch.randn(13, h, generator=g)
+    w = torch.rand(13, 2, generator=g)
+    ref = moe_forward_reference(x, *deq, ids, w)
+    assert _rel(ce.forward(x, ids, w), ref) < (3e-4 if exact else 1.5e-2)

@@ -10,6 +10,7 @@ crash.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +74,10 @@ class CPUExperts:
         gate_bias: torch.Tensor | None = None,
         up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None,
+        verbose: bool = True,
     ) -> None:
         fallback = method or "bf16"
-        if method is not None and method not in ENGINE_METHODS:
+        if method is not None and method not in ENGINE_METHODS and not method.startswith("gguf:"):
             raise FormatError("method", f"one of {list(ENGINE_METHODS)}", repr(method))
         if activation not in ACTIVATIONS:
             raise FormatError("activation", f"one of {sorted(ACTIVATIONS)}", repr(activation))
@@ -102,6 +104,10 @@ class CPUExperts:
         )
         projs = [engine_projection(q, n) for q, n in zip(qs, ("gate", "up", "down"), strict=True)]
         self.repacked_bytes = sum(p.repacked_bytes for p in projs)
+        # GGUF types without a native kernel are transcoded at load; say so, with the SNR.
+        self.notes = [f"{n}: {p.note}" for p, n in zip(projs, ("gate", "up", "down"), strict=True) if p.note]
+        if self.notes and verbose:
+            print(f"hetmoe: GGUF experts {'; '.join(self.notes)}", file=sys.stderr)
         # Everything the engine holds a pointer to must outlive it.
         self._keep = [t for p in projs for t in (p.codes, p.scales, p.zeros) if t is not None]
         self._keep += [b for b in biases if b is not None]

@@ -9,21 +9,25 @@ projection (bounded by one projection of one layer) and reported in ``repacked_b
 - gptq stores codes along K in int32 columns (``qweight [K/8, N]``); the engine streams rows, so the
   codes are transposed to ``[N, K/2]`` bytes, scales to ``[N, K/g]``, zero points unpacked;
 - compressed-tensors int4-asym packs zero points along N; they are unpacked to ``[N, K/g]`` bytes.
+
+GGUF projections go through gguf_transcode.py: exact repacks for Q8_0 and Q4_0, measured
+transcoding for the other block types.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..formats.packing import pack_nibbles, unpack_int32
+from .gguf_transcode import transcode
 
 # Engine ids: csrc/kernels.h Method and ScaleKind.
 BF16, INT8, INT4, MXFP4, FP8 = 0, 1, 2, 3, 4
 SCALE_F32, SCALE_BF16, SCALE_F16, SCALE_E8M0 = 0, 1, 2, 3
-ENGINE_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel")
+ENGINE_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel", "gguf:*")
 
 
 @dataclass
@@ -38,7 +42,7 @@ class EngineProjection:
     method_id: int
     scale_kind: int
     repacked_bytes: int = 0
-    keep: list[torch.Tensor] = field(default_factory=list)
+    note: str = ""  # what a GGUF projection was transcoded to, and at what SNR
 
     def descriptor(self, n: int, k: int) -> tuple[int, ...]:
         def stride_bytes(t: torch.Tensor | None, dim: int) -> int:
@@ -78,7 +82,7 @@ def _check_group(group: int, k: int, name: str) -> None:
 
 def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
     """Validate ``q`` (stacked ``[E, N, K]``) and describe it for the engine, repacking if needed."""
-    if q.method not in ENGINE_METHODS:
+    if q.method not in ENGINE_METHODS and not q.method.startswith("gguf:"):
         raise FormatError(name, f"a method the CPU engine runs: {list(ENGINE_METHODS)}", f"method {q.method!r}")
     codec = get_codec(q.method, **q.params)
     codec.validate(q, name)
@@ -88,6 +92,21 @@ def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
     if k % 32:
         raise FormatError(name, "K (input features) a multiple of 32 for the CPU engine", f"K={k}")
     t = q.tensors
+    if q.method.startswith("gguf:"):
+        tc = transcode(q)
+        exact = tc.snr_db == float("inf")
+        note = f"{q.params['ggml_type']} -> {tc.target}" + ("" if exact else f", SNR {tc.snr_db:.1f} dB vs stored")
+        return EngineProjection(
+            tc.codes,
+            tc.scales,
+            None,
+            tc.group,
+            1,
+            tc.method_id,
+            tc.scale_kind,
+            repacked_bytes=tc.codes.numel() * tc.codes.element_size(),
+            note=note,
+        )
     if q.method == "bf16":
         return EngineProjection(_rows_contiguous(t[".weight"], name), None, None, k, 1, BF16, SCALE_F32)
     if q.method == "int8":

@@ -1,0 +1,94 @@
+"""GGUF experts for the engine: exact repacks where a block format maps onto an engine method,
+transcoding (with its measured SNR) where it does not yet.
+
+- Q8_0 (fp16 scale + 32 int8 per block) is int8 with an fp16 scale per 32: exact, a repack of the
+  block structs into codes and scales.
+- Q4_0 (fp16 scale + 32 nibbles per block, first 16 in the low nibbles) is int4 with an fp16 scale
+  per 32 once the nibbles are re-paired (k even low, k odd high): exact.
+- F16/BF16/F32 become bf16 (exact for BF16).
+- Every other type is dequantized with hetmoe's GGUF decoders and re-quantized, one projection of
+  one layer at a time: to int8 with fp16 scales per 32 when the source has 4 bits or more (its
+  error against the stored values is far below the source's own quantization error), to int4 g32
+  below 4 bits (IQ1/IQ2/IQ3, Q2_K, Q3_K, TQ). The SNR against the stored values is reported.
+  Native kernels for the K-quants and IQ4 are a later step (docs/benchmarks.md says which run how).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import QuantizedTensor, get_codec, snr_db
+from ..formats.gguf import dequantize_blocks
+from ..formats.packing import pack_nibbles
+
+SCALE_F16 = 2
+
+
+@dataclass
+class Transcoded:
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    method_id: int  # engine Method
+    scale_kind: int
+    group: int
+    target: str  # what it runs as, e.g. "int8 g32 (fp16 scales)"
+    snr_db: float  # against the stored values (inf when exact)
+
+
+def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    e, n, row = raw.shape
+    return raw.contiguous().reshape(e, n, row // block_bytes, block_bytes)
+
+
+def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def _int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, N, K]`` -> int8 codes and fp16 scales per 32 (amax / 127, scale rounded first)."""
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    scale = (groups.abs().amax(-1, keepdim=True) / 127.0).to(torch.float16).float()
+    codes = (groups / torch.where(scale > 0, scale, torch.ones_like(scale))).round().clamp(-127, 127)
+    return codes.to(torch.int8).reshape(w.shape), scale.squeeze(-1).to(torch.float16)
+
+
+def transcode(q: QuantizedTensor) -> Transcoded:
+    """``q``: a stacked ``gguf:*`` projection ``[E, N, K]`` -> what the engine runs."""
+    from .engine_layout import BF16, INT4, INT8, SCALE_BF16, SCALE_F32
+
+    ggml = str(q.params["ggml_type"]).upper()
+    raw = q.tensors[".weight"]
+    e, n, k = q.shape
+    if ggml == "Q8_0":
+        b = _blocks(raw, 34)
+        codes = b[..., 2:].contiguous().view(torch.int8).reshape(e, n, k)
+        return Transcoded(codes, _fp16_field(b, 0).contiguous(), INT8, SCALE_F16, 32, "int8 g32 (exact)", float("inf"))
+    if ggml == "Q4_0":
+        b = _blocks(raw, 18)
+        qs = b[..., 2:]
+        natural = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(e, n, k)  # first 16 low, last 16 high
+        return Transcoded(
+            pack_nibbles(natural), _fp16_field(b, 0).contiguous(), INT4, SCALE_F16, 32, "int4 g32 (exact)", float("inf")
+        )
+    stored = dequantize_blocks(raw, ggml).reshape(e, n, k)
+    if ggml in ("F16", "BF16", "F32"):
+        codes = stored.to(torch.bfloat16)
+        return Transcoded(codes, None, BF16, SCALE_F32, k, "bf16", snr_db(stored, codes.float()))
+    bits = get_codec(f"gguf:{ggml.lower()}").bits_per_weight((n, k))
+    if bits >= 4.0:
+        codes, scales = _int8_groups(stored)
+        back = codes.float().reshape(e, n, -1, 32) * scales.float().unsqueeze(-1)
+        return Transcoded(codes, scales, INT8, SCALE_F16, 32, "int8 g32", snr_db(stored, back.reshape(e, n, k)))
+    codec = get_codec("int4", group_size=32)
+    q4 = codec.quantize(stored)
+    return Transcoded(
+        q4.tensors[".weight"],
+        q4.tensors[".weight_scale"],
+        INT4,
+        SCALE_BF16,
+        32,
+        "int4 g32",
+        snr_db(stored, codec.dequantize(q4)),
+    )
