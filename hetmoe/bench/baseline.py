@@ -3,7 +3,8 @@
 bf16 uses ``F.linear`` in bf16; int8 uses ``torch._weight_int8pack_mm`` (int8 weights, bf16
 per-row scales); int4 uses ``torch._weight_int4pack_mm_for_cpu`` on weights repacked once with
 ``torch._convert_weight_to_int4pack_for_cpu`` (scale per group, zero 0: w = (q - 8) * s).
-This is what a user gets from torch without hetmoe.
+Methods torch has no CPU kernel for (fp8, gptq, mxfp4, GGUF, int4-asym) are dequantized to bf16
+once and run with ``F.linear``: what a user without hetmoe would do.
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ import torch.nn.functional as F
 
 from ..formats import QuantizedTensor
 from ..formats.packing import unpack_nibbles
+from .layers import dequantize_expert
 
 
 class TorchExperts:
     def __init__(self, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> None:
         self.method = gate.method
         self.group = int(gate.params.get("group_size", 0))
+        if self.method == "int4" and gate.params.get("layout", "bytes") != "bytes":
+            raise ValueError("the torch baseline reads int4 in the bytes layout")
         self.projs = [self._prepare(q) for q in (gate, up, down)]
 
     def _prepare(self, q: QuantizedTensor) -> list[tuple[torch.Tensor, ...]]:
         e = q.shape[0]
         if self.method == "bf16":
             return [(q.tensors[".weight"][i],) for i in range(e)]
+        if self.method not in ("int8", "int4"):
+            return [(dequantize_expert(q, i).bfloat16(),) for i in range(e)]
         if self.method == "int8":
             w, s = q.tensors[".weight"], q.tensors[".weight_scale"]
             return [(w[i], s[i, :, 0].bfloat16()) for i in range(e)]
@@ -38,7 +44,7 @@ class TorchExperts:
         return out
 
     def _linear(self, x: torch.Tensor, proj: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if self.method == "bf16":
+        if self.method not in ("int8", "int4"):
             return F.linear(x, proj[0])
         if self.method == "int8":
             return torch._weight_int8pack_mm(x, proj[0], proj[1])

@@ -90,7 +90,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             random_projection(method, experts, i, h, cfg.group_size, cfg.seed + 1),
             random_projection(method, experts, h, i, cfg.group_size, cfg.seed + 2),
         )
-        impls: dict[str, Any] = {"hetmoe": CPUExperts(*layer)}
+        impls: dict[str, Any] = {"hetmoe": CPUExperts(*layer, verbose=False)}
         if cfg.baseline:
             impls["torch"] = TorchExperts(*layer)
         bytes_per_expert = sum(q.nbytes for q in layer) / experts
