@@ -58,3 +58,25 @@ def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
         main(["bench", "moe", "--tokens", "1,x"])
     assert main(["bench", "moe", "--experts", "4", "--tokens", "1", "--min-seconds", "0"]) == 1
     assert "below the shape's top-k" in capsys.readouterr().err
+
+
+def test_bench_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "roofline.png"
+    argv = [
+        "bench",
+        "moe",
+        "--experts",
+        "8",
+        "--tokens",
+        "1",
+        "--methods",
+        "int4",
+        "--no-baseline",
+        "--min-seconds",
+        "0",
+        "--plot",
+        str(png),
+    ]
+    assert main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -182,10 +182,10 @@ def plot_roofline(result: dict[str, Any], path: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
     m = result["machine"]
     fig, ax = plt.subplots(figsize=(7, 5))
-    xs = [0.05, 1000]
-    ax.plot(xs, [min(m["fma_gflop_per_s"], x * m["read_gb_per_s"]) for x in xs], "k-", label="roofline")
-    ai = [m["fma_gflop_per_s"] / m["read_gb_per_s"]]
-    ax.plot([0.05, ai[0], 1000], [0.05 * m["read_gb_per_s"], m["fma_gflop_per_s"], m["fma_gflop_per_s"]], "k-")
+    ridge = m["fma_gflop_per_s"] / m["read_gb_per_s"]  # flop/byte where bandwidth stops limiting
+    roof_x = [0.05, ridge, 1000]
+    roof_y = [0.05 * m["read_gb_per_s"], m["fma_gflop_per_s"], m["fma_gflop_per_s"]]
+    ax.plot(roof_x, roof_y, "k-", label="roofline (measured read bandwidth, FMA peak)")
     for r in result["records"]:
         intensity = r["gflop_per_s"] / max(r["gb_per_s"], 1e-9)
         marker = "o" if r["impl"] == "hetmoe" else "x"
