@@ -83,8 +83,10 @@ class MoEJob final : public Job {
       : H_(H), I_(I), gate_(gate), up_(up), down_(down), act_(act), kt_(kt), gemv_max_(gemv_max), x_(x),
         x_dtype_(x_dtype), T_(T), topk_(topk), weights_(weights), y_(y) {
     route(E, ids, skip);
-    chunks_up_ = (I + kPanelRows - 1) / kPanelRows;
-    chunks_down_ = (H + kPanelRows - 1) / kPanelRows;
+    rows_up_ = item_rows(gate, I);
+    rows_down_ = item_rows(down, H);
+    chunks_up_ = (I + rows_up_ - 1) / rows_up_;
+    chunks_down_ = (H + rows_down_ - 1) / rows_down_;
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
     x_act_.allocate(T, H, act_quant_for(gate.method));
     h_ = uninit<float>(size_t(S_) * I);
@@ -174,9 +176,24 @@ class MoEJob final : public Job {
     }
   }
 
+  // Rows of a projection one work item covers: whole panels, and enough bytes (~32 KiB) that the
+  // cost of claiming an item stays small next to streaming it (decode items are pure streaming).
+  static int item_rows(const Proj& p, int n) {
+    static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8};
+    const double row_bytes = p.k * kBitsPerWeight[p.method] / 8;
+    int panels = static_cast<int>(32768 / (row_bytes * kPanelRows));
+    panels = std::max(1, std::min(panels, 8));
+    return std::min(panels * kPanelRows, ((n + kPanelRows - 1) / kPanelRows) * kPanelRows);
+  }
+
   void gate_up(int item) {
     const ActiveExpert& a = active_[item / chunks_up_];
-    const int n0 = (item % chunks_up_) * kPanelRows, n1 = std::min(I_, n0 + kPanelRows), R = n1 - n0;
+    const int first = (item % chunks_up_) * rows_up_, last = std::min(I_, first + rows_up_);
+    for (int n0 = first; n0 < last; n0 += kPanelRows) gate_up_panel(a, n0, std::min(last, n0 + kPanelRows));
+  }
+
+  void gate_up_panel(const ActiveExpert& a, int n0, int n1) {
+    const int R = n1 - n0;
     float* up_block = sized(tl_scratch.block, size_t(std::max(a.count, kGemvTokens)) * kPanelRows);
     if (a.count <= gemv_max_) {
       for (int t0 = 0; t0 < a.count; t0 += kGemvTokens) {
@@ -208,7 +225,12 @@ class MoEJob final : public Job {
 
   void down(int item) {
     const ActiveExpert& a = active_[item / chunks_down_];
-    const int n0 = (item % chunks_down_) * kPanelRows, n1 = std::min(H_, n0 + kPanelRows), R = n1 - n0;
+    const int first = (item % chunks_down_) * rows_down_, last = std::min(H_, first + rows_down_);
+    for (int n0 = first; n0 < last; n0 += kPanelRows) down_panel(a, n0, std::min(last, n0 + kPanelRows));
+  }
+
+  void down_panel(const ActiveExpert& a, int n0, int n1) {
+    const int R = n1 - n0;
     float* out = ybuf_.get() + size_t(a.first_slot) * H_ + n0;
     if (a.count <= gemv_max_) {
       for (int t0 = 0; t0 < a.count; t0 += kGemvTokens) {
@@ -268,7 +290,7 @@ class MoEJob final : public Job {
 
   std::vector<ActiveExpert> active_;
   std::vector<int> slot_token_, slot_of_;
-  int S_ = 0, chunks_up_ = 0, chunks_down_ = 0;
+  int S_ = 0, chunks_up_ = 0, chunks_down_ = 0, rows_up_ = kPanelRows, rows_down_ = kPanelRows;
   std::unique_ptr<float[]> xf_, h_, ybuf_;
   ActBuffers x_act_, h_act_;
 };
