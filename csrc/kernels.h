@@ -17,7 +17,9 @@ enum Method : int {
                // zero = 8 or a uint8 [N, K/g] array; scale bf16 or fp16 (int4, int4-asym, gptq repacked)
   kMXFP4 = 3,  // E2M1 codes as kInt4's layout, w = e2m1(code) * 2^(e8m0 - 127) per 32
   kFP8 = 4,    // float8_e4m3fn [N, K], fp32 scale per (row block, column block) or per row
-  kNumMethods = 5,
+  kQ4K = 5,    // GGUF Q4_K superblocks as stored (144 bytes per 256)
+  kQ6K = 6,    // GGUF Q6_K superblocks as stored (210 bytes per 256)
+  kNumMethods = 7,
 };
 
 enum ScaleKind : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2, kScaleE8M0 = 3 };
@@ -52,6 +54,7 @@ struct Act {
   const float* f = nullptr;
   const int16_t* q = nullptr;
   const float* d = nullptr;
+  const int32_t* sum = nullptr;  // per block: sum of its codes (for formats with a min term, Q4_K)
 };
 
 enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2 };
@@ -65,7 +68,7 @@ struct KernelTable {
   // c[t * ldc + r] = dot(panel[r, :K], a[t][:K]) for r < R (<= kPanelRows), t < T.
   void (*gemm_panel)(const float* panel, int R, int K, const float* const* a, int T, float* c, int ldc);
   // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
-  void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d);
+  void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
   // h[i] = silu(g[i]) * u[i]
   void (*silu_mul)(const float* g, const float* u, float* h, int n);
   // Clamped SwiGLU of gpt-oss: g = min(g, limit); u = clamp(u, -limit, limit);

@@ -21,7 +21,9 @@ int act_quant_for(int method) {
   switch (method) {
     case kInt4:
     case kMXFP4: return kActPairs;
-    case kInt8: return kActNatural;
+    case kInt8:
+    case kQ4K:
+    case kQ6K: return kActNatural;
     default: return kActNone;
   }
 }
@@ -50,6 +52,7 @@ struct ActBuffers {
   int K = 0, mode = kActNone;
   std::unique_ptr<int16_t[]> q;
   std::unique_ptr<float[]> d;
+  std::unique_ptr<int32_t[]> sum;
 
   void allocate(int rows, int k, int m) {
     K = k;
@@ -57,11 +60,12 @@ struct ActBuffers {
     if (mode == kActNone) return;
     q = uninit<int16_t>(size_t(rows) * K);
     d = uninit<float>(size_t(rows) * (K / kActBlock));
+    sum = uninit<int32_t>(size_t(rows) * (K / kActBlock));
   }
   void quantize(const KernelTable* kt, const float* row, int r) {
     if (mode == kActNone) return;
     const size_t nb = K / kActBlock;
-    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb);
+    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * nb);
   }
   Act act(const float* row, int r) const {
     Act a;
@@ -70,6 +74,7 @@ struct ActBuffers {
       const size_t nb = K / kActBlock;
       a.q = q.get() + size_t(r) * K;
       a.d = d.get() + r * nb;
+      a.sum = sum.get() + r * nb;
     }
     return a;
   }
@@ -179,7 +184,7 @@ class MoEJob final : public Job {
   // Rows of a projection one work item covers: whole panels, and enough bytes (~32 KiB) that the
   // cost of claiming an item stays small next to streaming it (decode items are pure streaming).
   static int item_rows(const Proj& p, int n) {
-    static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8};
+    static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625};
     const double row_bytes = p.k * kBitsPerWeight[p.method] / 8;
     int panels = static_cast<int>(32768 / (row_bytes * kPanelRows));
     panels = std::max(1, std::min(panels, 8));

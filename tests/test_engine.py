@@ -283,7 +283,7 @@ def test_gptq_repack_is_reported(weights) -> None:
     assert _experts(weights, "int4").repacked_bytes == 0
 
 
-@pytest.mark.parametrize("ggml", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16"])
+@pytest.mark.parametrize("ggml", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16", "iq2_xxs"])
 def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Q8_0/Q4_0 repack exactly; the other block types are transcoded with the SNR printed; either way
     the output matches the float64 reference built from hetmoe's GGUF decoders (= the gguf package's)."""
@@ -295,14 +295,60 @@ def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFix
         torch.randn(e, h, i, generator=g) * 0.05,
     )
     codec = get_codec(f"gguf:{ggml}")
-    qs = [codec.quantize(w) for w in ws]
+    if codec.can_quantize:
+        qs = [codec.quantize(w) for w in ws]
+    else:  # decode-only types: valid blocks, as a real file holds (random codes, realistic scales)
+        qs = [_crafted_blocks(ggml, tuple(w.shape), g) for w in ws]
     ce = CPUExperts(*qs)
     message = capsys.readouterr().err
-    exact = ggml in ("q8_0", "q4_0", "bf16")
-    assert ("SNR" in message) == (not exact) and ggml.upper() in message
+    exact = ggml in ("q8_0", "q4_0", "bf16", "q4_k", "q6_k")
+    native = ggml in ("q4_k", "q6_k")  # run from the stored superblocks: nothing to report
+    assert ("SNR" in message) == (not exact)
+    assert (ggml.upper() in message) == (not native)
     deq = [codec.dequantize(q) for q in qs]
     ids = torch.randint(0, e, (13, 2), generator=g)
     x = torch.randn(13, h, generator=g)
     w = torch.rand(13, 2, generator=g)
     ref = moe_forward_reference(x, *deq, ids, w)
-    assert _rel(ce.forward(x, ids, w), ref) < (3e-4 if exact else 1.5e-2)
+    if exact:
+        bound = 3e-4
+    else:
+        # Transcoded: the output error follows from the worst projection's transcoding SNR (three
+        # projections in series add their errors), which must itself be above 40 dB (int8 target)
+        # or 18 dB (int4 target, for sources below 4 bits) to count as equal or better fidelity.
+        snr = min(float(note.split("SNR ")[1].split(" dB")[0]) for note in ce.notes)
+        assert snr > (18.0 if ggml.startswith(("iq1", "iq2", "iq3", "q2", "q3", "tq")) else 40.0)
+        bound = 3 * 10 ** (-snr / 20)
+    assert _rel(ce.forward(x, ids, w), ref) < bound
+
+
+def _crafted_blocks(ggml: str, shape: tuple[int, ...], g: torch.Generator) -> QuantizedTensor:
+    from hetmoe.formats.gguf import GGML_TYPES
+
+    info = GGML_TYPES[ggml.upper()]
+    nb = shape[-1] // info.block_elements
+    raw = torch.randint(0, 256, (*shape[:-1], nb, info.block_bytes), generator=g, dtype=torch.uint8)
+    d = (torch.rand(*shape[:-1], nb, generator=g) * 2e-4 + 1e-4).half().view(torch.uint8).reshape(*shape[:-1], nb, 2)
+    raw[..., :2] = d  # IQ2_XXS: fp16 d first
+    return QuantizedTensor(
+        f"gguf:{ggml}", shape, {".weight": raw.reshape(*shape[:-1], -1)}, {"ggml_type": ggml.upper()}
+    )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gguf_q4_k_m_layer_mixes_types(isa: str) -> None:
+    """Q4_K_M: gate/up in Q4_K and down in Q6_K, in one layer, both from their stored blocks."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(8)
+    e, h, i = 4, 512, 256
+    gate, up = (get_codec("gguf:q4_k").quantize(torch.randn(e, i, h, generator=g) * 0.05) for _ in range(2))
+    down = get_codec("gguf:q6_k").quantize(torch.randn(e, h, i, generator=g) * 0.05)
+    deq = [get_codec(q.method).dequantize(q) for q in (gate, up, down)]
+    for gemv_max in (0, 1000):
+        ce = CPUExperts(gate, up, down, gemv_max_tokens=gemv_max)
+        assert ce.method == "mixed" and ce.repacked_bytes == 0
+        for T in (1, 11):
+            ids = torch.randint(0, e, (T, 2), generator=g)
+            x = torch.randn(T, h, generator=g)
+            w = torch.rand(T, 2, generator=g)
+            assert _rel(ce.forward(x, ids, w), moe_forward_reference(x, *deq, ids, w)) < 3e-4

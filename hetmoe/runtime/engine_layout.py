@@ -94,18 +94,13 @@ def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
     t = q.tensors
     if q.method.startswith("gguf:"):
         tc = transcode(q)
-        exact = tc.snr_db == float("inf")
-        note = f"{q.params['ggml_type']} -> {tc.target}" + ("" if exact else f", SNR {tc.snr_db:.1f} dB vs stored")
+        native = tc.target.endswith("native")
+        note = "" if native else f"{q.params['ggml_type']} -> {tc.target}"
+        if tc.snr_db != float("inf"):
+            note += f", SNR {tc.snr_db:.1f} dB vs stored"
+        repacked = 0 if native else tc.codes.numel() * tc.codes.element_size()
         return EngineProjection(
-            tc.codes,
-            tc.scales,
-            None,
-            tc.group,
-            1,
-            tc.method_id,
-            tc.scale_kind,
-            repacked_bytes=tc.codes.numel() * tc.codes.element_size(),
-            note=note,
+            tc.codes, tc.scales, None, tc.group, 1, tc.method_id, tc.scale_kind, repacked_bytes=repacked, note=note
         )
     if q.method == "bf16":
         return EngineProjection(_rows_contiguous(t[".weight"], name), None, None, k, 1, BF16, SCALE_F32)

@@ -5,12 +5,14 @@ transcoding (with its measured SNR) where it does not yet.
   block structs into codes and scales.
 - Q4_0 (fp16 scale + 32 nibbles per block, first 16 in the low nibbles) is int4 with an fp16 scale
   per 32 once the nibbles are re-paired (k even low, k odd high): exact.
+- Q4_K and Q6_K run natively from their stored superblocks (no copy; the mixed Q4_K/Q6_K layers of
+  Q4_K_M files run as they are).
 - F16/BF16/F32 become bf16 (exact for BF16).
 - Every other type is dequantized with hetmoe's GGUF decoders and re-quantized, one projection of
   one layer at a time: to int8 with fp16 scales per 32 when the source has 4 bits or more (its
   error against the stored values is far below the source's own quantization error), to int4 g32
   below 4 bits (IQ1/IQ2/IQ3, Q2_K, Q3_K, TQ). The SNR against the stored values is reported.
-  Native kernels for the K-quants and IQ4 are a later step (docs/benchmarks.md says which run how).
+  Native kernels for Q5_K and IQ4 are a later step (docs/benchmarks.md says which run how).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..formats.gguf import dequantize_blocks
 from ..formats.packing import pack_nibbles
 
 SCALE_F16 = 2
+NATIVE = {"Q4_K": 5, "Q6_K": 6}  # engine Method ids of the block formats with their own kernels
 
 
 @dataclass
@@ -61,6 +64,10 @@ def transcode(q: QuantizedTensor) -> Transcoded:
     ggml = str(q.params["ggml_type"]).upper()
     raw = q.tensors[".weight"]
     e, n, k = q.shape
+    if ggml in NATIVE:
+        if raw.stride(-1) != 1:
+            raw = raw.contiguous()
+        return Transcoded(raw, None, NATIVE[ggml], SCALE_F32, 256, f"{ggml} native", float("inf"))
     if ggml == "Q8_0":
         b = _blocks(raw, 34)
         codes = b[..., 2:].contiguous().view(torch.int8).reshape(e, n, k)
