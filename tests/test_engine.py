@@ -352,3 +352,19 @@ def test_gguf_q4_k_m_layer_mixes_types(isa: str) -> None:
             x = torch.randn(T, h, generator=g)
             w = torch.rand(T, 2, generator=g)
             assert _rel(ce.forward(x, ids, w), moe_forward_reference(x, *deq, ids, w)) < 3e-4
+
+
+def test_idle_pool_takes_no_cpu(weights) -> None:
+    """Workers sleep once no job runs: an idle engine must not steal cores from the caller."""
+    import resource
+    import time
+
+    ce = _experts(weights, "int4")
+    ids, w = _routing(4, 2)
+    ce.forward(torch.randn(4, H), ids, w)
+    time.sleep(0.05)  # let the pool settle after the job
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(0.5)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    busy = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert busy < 0.05, f"{busy:.3f} s of CPU while idle"
