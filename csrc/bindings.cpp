@@ -78,10 +78,11 @@ Proj proj_from(const py::tuple& t) {
     throw py::value_error("fp8 scale group must be a positive multiple of 16");
   if (p.method == kInt8 && p.scale_kind == kScaleF16 && (!pow2_blocks || p.k % p.group != 0))
     throw py::value_error("int8 group scales must cover 32 times a power of two elements and divide K");
-  if ((p.method == kQ4K || p.method == kQ6K) && p.k % 256 != 0)
-    throw py::value_error("GGUF K-quant rows must hold whole 256-weight superblocks");
-  if (p.method != kBF16 && p.method != kQ4K && p.method != kQ6K && !p.s)
-    throw py::value_error("this method needs scales");
+  const bool gguf_native = p.method >= kQ4K;  // scales live inside the stored blocks
+  const bool superblocks = p.method == kQ4K || p.method == kQ6K || p.method == kQ5K || p.method == kIQ4XS;
+  if (superblocks && p.k % 256 != 0)
+    throw py::value_error("GGUF K-quant / IQ4_XS rows must hold whole 256-weight superblocks");
+  if (p.method != kBF16 && !gguf_native && !p.s) throw py::value_error("this method needs scales");
   return p;
 }
 

@@ -19,7 +19,12 @@ enum Method : int {
   kFP8 = 4,    // float8_e4m3fn [N, K], fp32 scale per (row block, column block) or per row
   kQ4K = 5,    // GGUF Q4_K superblocks as stored (144 bytes per 256)
   kQ6K = 6,    // GGUF Q6_K superblocks as stored (210 bytes per 256)
-  kNumMethods = 7,
+  kQ5K = 7,    // GGUF Q5_K superblocks as stored (176 bytes per 256)
+  kIQ4XS = 8,  // GGUF IQ4_XS superblocks as stored (136 bytes per 256)
+  kQ4_0 = 9,   // GGUF Q4_0 blocks as stored (18 bytes per 32)
+  kQ8_0 = 10,  // GGUF Q8_0 blocks as stored (34 bytes per 32)
+  kIQ4NL = 11, // GGUF IQ4_NL blocks as stored (18 bytes per 32)
+  kNumMethods = 12,
 };
 
 enum ScaleKind : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2, kScaleE8M0 = 3 };

@@ -23,7 +23,12 @@ int act_quant_for(int method) {
     case kMXFP4: return kActPairs;
     case kInt8:
     case kQ4K:
-    case kQ6K: return kActNatural;
+    case kQ6K:
+    case kQ5K:
+    case kIQ4XS:
+    case kQ4_0:
+    case kQ8_0:
+    case kIQ4NL: return kActNatural;
     default: return kActNone;
   }
 }
@@ -184,7 +189,7 @@ class MoEJob final : public Job {
   // Rows of a projection one work item covers: whole panels, and enough bytes (~32 KiB) that the
   // cost of claiming an item stays small next to streaming it (decode items are pure streaming).
   static int item_rows(const Proj& p, int n) {
-    static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625};
+    static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625, 5.5, 4.25, 4.5, 8.5, 4.5};
     const double row_bytes = p.k * kBitsPerWeight[p.method] / 8;
     int panels = static_cast<int>(32768 / (row_bytes * kPanelRows));
     panels = std::max(1, std::min(panels, 8));

@@ -283,7 +283,9 @@ def test_gptq_repack_is_reported(weights) -> None:
     assert _experts(weights, "int4").repacked_bytes == 0
 
 
-@pytest.mark.parametrize("ggml", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16", "iq2_xxs"])
+@pytest.mark.parametrize(
+    "ggml", ["q8_0", "q4_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16", "q5_0", "iq2_xxs", "q3_k"]
+)
 def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Q8_0/Q4_0 repack exactly; the other block types are transcoded with the SNR printed; either way
     the output matches the float64 reference built from hetmoe's GGUF decoders (= the gguf package's)."""
@@ -301,8 +303,8 @@ def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFix
         qs = [_crafted_blocks(ggml, tuple(w.shape), g) for w in ws]
     ce = CPUExperts(*qs)
     message = capsys.readouterr().err
-    exact = ggml in ("q8_0", "q4_0", "bf16", "q4_k", "q6_k")
-    native = ggml in ("q4_k", "q6_k")  # run from the stored superblocks: nothing to report
+    native = ggml in ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl")  # from the stored blocks
+    exact = native or ggml == "bf16"
     assert ("SNR" in message) == (not exact)
     assert (ggml.upper() in message) == (not native)
     deq = [codec.dequantize(q) for q in qs]
@@ -328,8 +330,9 @@ def _crafted_blocks(ggml: str, shape: tuple[int, ...], g: torch.Generator) -> Qu
     info = GGML_TYPES[ggml.upper()]
     nb = shape[-1] // info.block_elements
     raw = torch.randint(0, 256, (*shape[:-1], nb, info.block_bytes), generator=g, dtype=torch.uint8)
-    d = (torch.rand(*shape[:-1], nb, generator=g) * 2e-4 + 1e-4).half().view(torch.uint8).reshape(*shape[:-1], nb, 2)
-    raw[..., :2] = d  # IQ2_XXS: fp16 d first
+    for offset in info.f16_scale_offsets:  # the fp16 super-scales get realistic values, codes stay random
+        d = (torch.rand(*shape[:-1], nb, generator=g) * 2e-4 + 1e-4).half().view(torch.uint8)
+        raw[..., offset : offset + 2] = d.reshape(*shape[:-1], nb, 2)
     return QuantizedTensor(
         f"gguf:{ggml}", shape, {".weight": raw.reshape(*shape[:-1], -1)}, {"ggml_type": ggml.upper()}
     )

@@ -57,16 +57,17 @@ def random_projection(method: str, experts: int, n: int, k: int, group: int, see
     if method.startswith("gguf:"):
         from ..formats.gguf import GGML_TYPES
 
-        name = method.split(":", 1)[1].upper()
-        info = GGML_TYPES.get(name)
-        if info is None or info.block_elements != 32 or name not in ("Q8_0", "Q4_0"):
-            raise ValueError(f"bench builds random GGUF layers for gguf:q8_0 and gguf:q4_0 only, not {method!r}")
-        nb = k // 32
+        info = GGML_TYPES.get(method.split(":", 1)[1].upper())
+        if info is None or info.is_float or not info.f16_scale_offsets:
+            raise ValueError(f"bench builds random GGUF layers for block types with fp16 scales, not {method!r}")
+        nb = k // info.block_elements
+        # Random codes are valid in every block type; the fp16 super-scales get realistic values.
         raw = torch.randint(0, 256, (experts, n, nb, info.block_bytes), generator=g, dtype=torch.uint8)
-        d = (torch.rand(experts, n, nb, generator=g) * 4e-3 + 1e-3).half().view(torch.uint8).reshape(experts, n, nb, 2)
-        raw[..., :2] = d
+        for offset in info.f16_scale_offsets:
+            d = (torch.rand(experts, n, nb, generator=g) * 2e-4 + 1e-4).half().view(torch.uint8)
+            raw[..., offset : offset + 2] = d.reshape(experts, n, nb, 2)
         return QuantizedTensor(
-            method, shape, {".weight": raw.reshape(experts, n, nb * info.block_bytes)}, {"ggml_type": name}
+            method, shape, {".weight": raw.reshape(experts, n, nb * info.block_bytes)}, {"ggml_type": info.name}
         )
     raise ValueError(f"no random layer builder for method {method!r}")
 

@@ -1,18 +1,13 @@
-"""GGUF experts for the engine: exact repacks where a block format maps onto an engine method,
-transcoding (with its measured SNR) where it does not yet.
+"""GGUF experts for the engine: native kernels for the common block formats, transcoding (with its
+measured SNR) for the rest.
 
-- Q8_0 (fp16 scale + 32 int8 per block) is int8 with an fp16 scale per 32: exact, a repack of the
-  block structs into codes and scales.
-- Q4_0 (fp16 scale + 32 nibbles per block, first 16 in the low nibbles) is int4 with an fp16 scale
-  per 32 once the nibbles are re-paired (k even low, k odd high): exact.
-- Q4_K and Q6_K run natively from their stored superblocks (no copy; the mixed Q4_K/Q6_K layers of
-  Q4_K_M files run as they are).
+- Q4_0, Q8_0, IQ4_NL (blocks of 32) and Q4_K, Q5_K, Q6_K, IQ4_XS (superblocks of 256) run natively
+  from their stored bytes: no copy, and Q4_K_M's mixed Q4_K/Q6_K layers run as they are.
 - F16/BF16/F32 become bf16 (exact for BF16).
 - Every other type is dequantized with hetmoe's GGUF decoders and re-quantized, one projection of
   one layer at a time: to int8 with fp16 scales per 32 when the source has 4 bits or more (its
   error against the stored values is far below the source's own quantization error), to int4 g32
   below 4 bits (IQ1/IQ2/IQ3, Q2_K, Q3_K, TQ). The SNR against the stored values is reported.
-  Native kernels for Q5_K and IQ4 are a later step (docs/benchmarks.md says which run how).
 """
 
 from __future__ import annotations
@@ -23,10 +18,10 @@ import torch
 
 from ..formats import QuantizedTensor, get_codec, snr_db
 from ..formats.gguf import dequantize_blocks
-from ..formats.packing import pack_nibbles
 
 SCALE_F16 = 2
-NATIVE = {"Q4_K": 5, "Q6_K": 6}  # engine Method ids of the block formats with their own kernels
+# Engine Method ids (csrc/kernels.h) of the block formats with their own kernels.
+NATIVE = {"Q4_K": 5, "Q6_K": 6, "Q5_K": 7, "IQ4_XS": 8, "Q4_0": 9, "Q8_0": 10, "IQ4_NL": 11}
 
 
 @dataclass
@@ -38,15 +33,6 @@ class Transcoded:
     group: int
     target: str  # what it runs as, e.g. "int8 g32 (fp16 scales)"
     snr_db: float  # against the stored values (inf when exact)
-
-
-def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
-    e, n, row = raw.shape
-    return raw.contiguous().reshape(e, n, row // block_bytes, block_bytes)
-
-
-def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1)
 
 
 def _int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,18 +53,7 @@ def transcode(q: QuantizedTensor) -> Transcoded:
     if ggml in NATIVE:
         if raw.stride(-1) != 1:
             raw = raw.contiguous()
-        return Transcoded(raw, None, NATIVE[ggml], SCALE_F32, 256, f"{ggml} native", float("inf"))
-    if ggml == "Q8_0":
-        b = _blocks(raw, 34)
-        codes = b[..., 2:].contiguous().view(torch.int8).reshape(e, n, k)
-        return Transcoded(codes, _fp16_field(b, 0).contiguous(), INT8, SCALE_F16, 32, "int8 g32 (exact)", float("inf"))
-    if ggml == "Q4_0":
-        b = _blocks(raw, 18)
-        qs = b[..., 2:]
-        natural = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(e, n, k)  # first 16 low, last 16 high
-        return Transcoded(
-            pack_nibbles(natural), _fp16_field(b, 0).contiguous(), INT4, SCALE_F16, 32, "int4 g32 (exact)", float("inf")
-        )
+        return Transcoded(raw, None, NATIVE[ggml], SCALE_F32, 32, f"{ggml} native", float("inf"))
     stored = dequantize_blocks(raw, ggml).reshape(e, n, k)
     if ggml in ("F16", "BF16", "F32"):
         codes = stored.to(torch.bfloat16)
