@@ -91,6 +91,7 @@ def read_layer_experts(
         "fused_t": _read_fused_transposed,
         "gpt_oss": _read_gpt_oss,
         "gguf": _read_gguf,
+        "store": _read_store,
     }
     experts = readers[layout.style](source, layout, layer)
     if method is not None:
@@ -190,6 +191,10 @@ def _stack(
                     f"{first.dtype} {list(first.shape)} ({keys[0]})",
                 )
         stacked = torch.stack([source.get(k) for k in keys])
+        # The stack is a copy: drop the mapped pages it was read from, so memory holds each expert once.
+        if hasattr(source, "release"):
+            for k in keys:
+                source.release(k)
         if full_precision and stacked.dtype != torch.bfloat16:
             stacked = stacked.to(torch.bfloat16)  # fp16/fp32 experts: bf16 is the full-precision form
         elif spec.dtype == torch.int64 and stacked.dtype != torch.int64 and not stacked.is_floating_point():
@@ -433,6 +438,17 @@ def _read_gguf(source: TensorSource, layout: MoELayout, layer: int) -> LayerExpe
         _gguf_bias(source, layout, lp + (layout.up or layout.gate) + ".bias", (e, i)),
         _gguf_bias(source, layout, lp + layout.down + ".bias", (e, h)),
     )
+
+
+# --- hetmoe expert store ------------------------------------------------------------------------
+
+
+def _read_store(source: TensorSource, layout: MoELayout, layer: int) -> LayerExperts:
+    from .store import ExpertStore  # lazy: the store module builds on this one
+
+    if not isinstance(source, ExpertStore):
+        raise CheckpointError(source.path, "a layout of style 'store' must be read from the ExpertStore it came from")
+    return source.layer(layer)
 
 
 # --- conversion ---------------------------------------------------------------------------------

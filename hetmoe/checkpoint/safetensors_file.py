@@ -132,6 +132,25 @@ class SafetensorsFile:
         except KeyError:
             raise CheckpointError(self.path, f"no tensor named {name!r}") from None
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's memory (they re-read from the file if touched).
+
+        For readers that copied a tensor (stacking per-expert weights) and will not read the mapped
+        bytes again: without it the copy and the mapped pages would both count against RAM. Only the
+        pages the tensor covers entirely are dropped, so neighbours are unaffected; a view of it that
+        was written to (copy-on-write) would lose the writes, so only call it on tensors nobody
+        modified.
+        """
+        entry = self._infos.get(name)
+        if entry is None or self._map is None or not hasattr(self._map, "madvise"):
+            return
+        info, start = entry
+        page = mmap.PAGESIZE
+        first = -(-start // page) * page
+        last = (start + info.nbytes) // page * page
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor as a view of the file (copy-on-write: writing to it never touches the file)."""
         info, start = self._infos.get(name, (None, 0))

@@ -61,6 +61,11 @@ class MultiFileSource:
     def get(self, name: str) -> torch.Tensor:
         return self._file(name).get(name)
 
+    def release(self, name: str) -> None:
+        file = self._file(name)
+        if hasattr(file, "release"):
+            file.release(name)
+
 
 def open_source(path: str | Path) -> TensorSource:
     """A tensor source for a file or model directory; a clear error for anything else."""
@@ -77,6 +82,10 @@ def open_source(path: str | Path) -> TensorSource:
 
 
 def _open_directory(d: Path) -> TensorSource:
+    from .store import is_store_dir, open_store  # lazy: the store module builds on this one
+
+    if is_store_dir(d):  # checked first: an interrupted store's layer files must not pass for shards
+        return open_store(d)
     index = d / "model.safetensors.index.json"
     if index.exists():
         return _open_index(index)
