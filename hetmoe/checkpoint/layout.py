@@ -23,6 +23,9 @@ Storage styles, as transformers 5 and the hubs write them (``L`` = layer, ``e`` 
 ``gguf``
     ``blk.L.ffn_{gate,up,down}_exps.weight`` (logical ``[E, I, H]`` / ``[E, H, I]``), or a merged
     ``ffn_gate_up_exps`` ``[E, 2I, H]``; each tensor carries its own ggml type.
+``store``
+    a hetmoe expert store (``hetmoe.checkpoint.store``): ``{prefix}.L.experts.{gate,up,down}`` + codec
+    suffix, one file per layer; the store's manifest says the layout, nothing is inferred.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class MoELayout:
     def key(self, layer: int, template: str, codec_suffix: str, expert: int = 0) -> str:
         """The stored name of one tensor: a projection ``template``'s codec suffix in ``layer``."""
         base = self.layer_prefix(layer) + template.format(e=expert)
-        if self.style == "per_expert":
+        if self.style in ("per_expert", "store"):
             return base + self.scheme.stored_suffix(codec_suffix)
         if self.style == "gguf":
             return base + ".weight"
@@ -152,6 +155,9 @@ def fused_suffix(codec_suffix: str) -> str:
 
 def moe_layout(config: Mapping[str, Any], source: TensorSource) -> MoELayout:
     """Find and check the routed experts of ``source`` described by ``config`` (see :func:`read_config`)."""
+    own_layout = getattr(source, "moe_layout", None)
+    if callable(own_layout):  # an expert store: its manifest records the layout
+        return own_layout(config)
     where = config.get("_source") or str(Path(source.path) / "config.json")
     raw_type = str(config.get("model_type"))
     model_type = ALIASES.get(raw_type, raw_type)

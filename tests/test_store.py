@@ -1,0 +1,279 @@
+"""The expert store on its own: the streaming writer, reading a store back, and refusing broken ones.
+
+A store is what ``hetmoe convert`` writes (tests/test_convert.py covers the conversion); here one
+small store is made once and then read the ways the runtime and users read it: ``ExpertStore``,
+``open_source`` + ``moe_layout`` + ``read_layer_experts``, ``hetmoe inspect``. Damaged stores
+(interrupted, a layer file gone or altered, a bad manifest) must be errors naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hetmoe.checkpoint import CheckpointError, open_source
+from hetmoe.checkpoint import convert as convert_module
+from hetmoe.checkpoint.config import read_config
+from hetmoe.checkpoint.convert import convert
+from hetmoe.checkpoint.experts import PROJECTIONS, codec_of, read_layer_experts
+from hetmoe.checkpoint.layout import moe_layout
+from hetmoe.checkpoint.safetensors_file import SafetensorsFile
+from hetmoe.checkpoint.store import (
+    JOURNAL,
+    MANIFEST,
+    ExpertStore,
+    PlannedTensor,
+    layer_file_name,
+    write_safetensors,
+)
+from hetmoe.cli.inspect_cmd import inspect_path
+from hetmoe.formats import FormatError
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny tensors gain nothing from threads, and on a shared, oversubscribed machine every OpenMP
+    barrier waits for a descheduled thread: one thread keeps these tests fast and changes no result."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_cache, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Kimi-K2-style int4 tiny checkpoint converted to int8 (MoE layers 1 and 2)."""
+    dst = tmp_path_factory.mktemp("store") / "int8"
+    convert(tiny_cache.int4(), dst, "int8", progress=False)
+    return dst
+
+
+def _copy(store: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(store, tmp_path / "copy"))
+
+
+# --- the streaming writer -------------------------------------------------------------------------
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "b.weight": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "a.scale": torch.rand(5, 1, generator=g),
+        "c.codes": torch.randint(-127, 127, (3, 9), generator=g, dtype=torch.int8),
+        "d.fp8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+        "e.shape": torch.tensor([[5, 7]], dtype=torch.int64),
+        "f.scalar": torch.tensor(2.5, dtype=torch.float16),
+        "g.empty": torch.zeros(0, 3),
+    }
+
+
+def test_writer_output_is_read_by_the_reference_library(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = _sample_tensors()
+    path = tmp_path / "x.safetensors"
+    written = write_safetensors(path, [PlannedTensor.of(k, v) for k, v in tensors.items()], {"k": "v"})
+    data = path.read_bytes()
+    assert written.bytes == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
+        assert torch.equal(_bytes(loaded[name]), _bytes(t)), name
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"k": "v"}
+    ours = SafetensorsFile(path)
+    (header_len,) = struct.unpack("<Q", data[:8])
+    assert header_len % 8 == 0
+    for name in tensors:  # every tensor starts at a multiple of its element size
+        begin = json.loads(data[8 : 8 + header_len])[name]["data_offsets"][0]
+        assert begin % tensors[name].element_size() == 0, name
+        assert torch.equal(_bytes(ours.get(name)), _bytes(tensors[name]))
+
+
+def test_writer_is_deterministic_whatever_the_input_order(tmp_path: Path) -> None:
+    tensors = _sample_tensors()
+    forward = [PlannedTensor.of(k, v) for k, v in tensors.items()]
+    a = write_safetensors(tmp_path / "a.safetensors", forward, {"x": "1", "y": "2"})
+    b = write_safetensors(tmp_path / "b.safetensors", forward[::-1], {"y": "2", "x": "1"})
+    assert a == b and (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_writer_refuses_a_tensor_that_is_not_what_was_planned(tmp_path: Path) -> None:
+    planned = PlannedTensor("w", torch.float32, (2, 2), lambda: torch.zeros(2, 3))
+    with pytest.raises(
+        FormatError, match=r"w: expected torch.float32 \[2, 2\] as planned, found torch.float32 \[2, 3\]"
+    ):
+        write_safetensors(tmp_path / "x.safetensors", [planned], {})
+
+
+# --- reading a store back ---------------------------------------------------------------------------
+
+
+def test_open_source_reads_a_store_like_a_checkpoint(store: Path, tiny_cache) -> None:
+    source = open_source(store)
+    assert isinstance(source, ExpertStore)
+    layout = moe_layout(read_config(store), source)
+    assert layout.style == "store" and layout.moe_layers == (1, 2) and layout.method == "int8"
+    src = open_source(tiny_cache.int4())
+    src_layout = moe_layout(read_config(tiny_cache.int4()), src)
+    for layer in layout.moe_layers:
+        experts = read_layer_experts(source, layout, layer)
+        same = source.layer(layer)
+        reference = read_layer_experts(src, src_layout, layer)
+        for proj in PROJECTIONS:
+            q = experts.projections[proj]
+            assert q.method == "int8" and q.shape == reference.projections[proj].shape
+            assert all(torch.equal(t, same.projections[proj].tensors[s]) for s, t in q.tensors.items())
+            # The stored codes are exactly int8 quantization of the source's dequantized experts.
+            expected = codec_of(q).quantize(
+                codec_of(reference.projections[proj]).dequantize(reference.projections[proj])
+            )
+            assert all(torch.equal(t, expected.tensors[s]) for s, t in q.tensors.items()), (layer, proj)
+        assert layout.key(layer, layout.gate, ".weight_scale") in source.keys()
+        converted = read_layer_experts(source, layout, layer, "int4", group_size=32)
+        assert converted.up.method == "int4" and converted.up.params["group_size"] == 32
+
+
+def test_non_expert_tensors_keep_their_names_and_bytes(store: Path, tiny_cache) -> None:
+    src, dst = open_source(tiny_cache.int4()), open_source(store)
+    rest = [k for k in dst.keys() if ".experts." not in k]
+    src_rest = [k for k in src.keys() if ".mlp.experts." not in k]
+    assert sorted(rest) == sorted(src_rest) and rest
+    for name in rest:
+        assert src.info(name).dtype == dst.info(name).dtype and src.info(name).shape == dst.info(name).shape
+        assert torch.equal(_bytes(src.get(name)), _bytes(dst.get(name))), name
+
+
+def test_layer_files_describe_themselves(store: Path) -> None:
+    f = SafetensorsFile(store / layer_file_name(1))
+    assert f.metadata["method"] == "int8" and f.metadata["layer"] == "1" and f.metadata["format"] == "hetmoe-experts"
+    assert sorted(f.keys()) == sorted(
+        f"model.layers.1.experts.{p}{s}" for p in PROJECTIONS for s in (".weight", ".weight_scale")
+    )
+    assert f.info("model.layers.1.experts.down.weight").shape == (8, 64, 32)
+
+
+def test_inspect_lists_a_store(store: Path) -> None:
+    report = inspect_path(str(store))
+    methods = {r["weight"]: r["method"] for r in report["tensors"]}
+    assert methods["model.layers.2.experts.up"] == "int8"
+    assert report["bytes_by_method"]["int8"] > 0
+
+
+# --- incomplete and damaged stores --------------------------------------------------------------------
+
+
+def test_interrupted_store_names_the_missing_layers(tiny_cache, tmp_path: Path, monkeypatch) -> None:
+    real = convert_module._convert_layer
+    finished: list[int] = []
+
+    def interrupted(plan, dst, layer):  # type: ignore[no-untyped-def]
+        if finished:
+            raise KeyboardInterrupt
+        finished.append(layer)
+        return real(plan, dst, layer)
+
+    monkeypatch.setattr(convert_module, "_convert_layer", interrupted)
+    dst = tmp_path / "st"
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_cache.fp8(), dst, "int4", progress=False)
+    assert (dst / layer_file_name(1)).exists() and (dst / JOURNAL).exists() and not (dst / MANIFEST).exists()
+    pattern = r"incomplete hetmoe expert store.*1 of 2 MoE layers finished, missing layers \[2\].*--resume"
+    with pytest.raises(CheckpointError, match=pattern):
+        open_source(dst)
+    with pytest.raises(CheckpointError, match=pattern) as exc:
+        ExpertStore(dst)
+    assert f"hetmoe convert {tiny_cache.fp8()} {dst} --method int4 --group-size 32 --resume" in str(exc.value)
+
+
+def test_stray_layer_files_are_not_taken_for_a_checkpoint(store: Path, tmp_path: Path) -> None:
+    d = tmp_path / "stray"
+    d.mkdir()
+    shutil.copy(store / layer_file_name(1), d)
+    with pytest.raises(CheckpointError, match=r"incomplete hetmoe expert store: no hetmoe.json.*layers \[1\]"):
+        open_source(d)
+
+
+def test_missing_or_truncated_layer_files_are_named(store: Path, tmp_path: Path) -> None:
+    d = _copy(store, tmp_path)
+    (d / layer_file_name(2)).unlink()
+    with pytest.raises(CheckpointError, match=r"damaged hetmoe expert store: layers \[2\] \(1\) missing.*--resume"):
+        ExpertStore(d)
+    shutil.copy(store / layer_file_name(2), d)
+    with open(d / layer_file_name(1), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"layers \[1\] \(1\) truncated or altered"):
+        open_source(d)
+    shutil.copy(store / layer_file_name(1), d)
+    (d / "model-rest.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"\['model-rest.safetensors'\] missing"):
+        open_source(d)
+
+
+def test_altered_layer_data_is_caught_when_the_layer_is_read(store: Path, tmp_path: Path) -> None:
+    d = _copy(store, tmp_path)
+    path = d / layer_file_name(2)
+    f = SafetensorsFile(path)
+    name = "model.layers.2.experts.gate.weight_scale"
+    (header_len,) = struct.unpack("<Q", path.read_bytes()[:8])
+    begin = json.loads(path.read_bytes()[8 : 8 + header_len])[name]["data_offsets"][0]
+    del f
+    with open(path, "r+b") as out:  # same size, one scale turned into NaN
+        out.seek(8 + header_len + begin)
+        out.write(struct.pack("<f", float("nan")))
+    st = ExpertStore(d)
+    st.layer(1)
+    with pytest.raises(CheckpointError, match=rf"{layer_file_name(2)}.*{name}: expected finite values"):
+        st.layer(2)
+
+
+def test_manifest_that_disagrees_with_a_layer_file_is_an_error(store: Path, tmp_path: Path) -> None:
+    d = _copy(store, tmp_path)
+    manifest = json.loads((d / MANIFEST).read_text())
+    manifest["method"], manifest["params"] = "fp8-channel", {}
+    (d / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"layer file metadata 'method': expected 'fp8-channel', found 'int8'"):
+        ExpertStore(d).layer(1)
+    with pytest.raises(CheckpointError, match=r"layer 7 is not an MoE layer of this store"):
+        ExpertStore(d).layer(7)
+
+
+def test_manifest_cannot_point_outside_the_store(store: Path, tmp_path: Path) -> None:
+    d = _copy(store, tmp_path)
+    manifest = json.loads((d / MANIFEST).read_text())
+    manifest["layers"][0]["file"] = "../../outside.safetensors"
+    (d / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"malformed store manifest.*expected file 'experts-L001.safetensors'"):
+        open_source(d)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "cannot read the store manifest"),
+        ('{"format": "hetmoe-expert-store", "version": 99}', "store version 99 is not supported"),
+        ('{"format": "something-else"}', "not a hetmoe expert store manifest"),
+        ('{"format": "hetmoe-expert-store", "version": 1, "method": "int8"}', "malformed store manifest"),
+        ("[1, 2]", "must hold a JSON object"),
+    ],
+)
+def test_bad_manifest_is_a_clear_error(store: Path, tmp_path: Path, text: str, message: str) -> None:
+    d = _copy(store, tmp_path)
+    (d / MANIFEST).write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        open_source(d)
