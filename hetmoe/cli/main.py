@@ -7,9 +7,9 @@ import os
 import sys
 
 from ..kernels.dispatch import EngineUnavailableError
-from . import bench, convert, demo, doctor, inspect_cmd
+from . import bench, convert, demo, doctor, gptq, inspect_cmd
 
-COMMANDS = (inspect_cmd, convert, demo, doctor, bench)
+COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -87,6 +87,46 @@ class GPTQCodec(Codec):
         }
         return QuantizedTensor(self.method, shape, tensors, self.params)
 
+    def group_grid(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grid ``quantize`` picks for each group ``[..., G, g]``: (scale as stored, float32; zero point 0..15).
+
+        Exposed so a quantizer that chooses codes itself (GPTQ's error compensation) lands on the
+        same grid as round-to-nearest: the symmetric zero point is always 8 (``uint4b8``).
+        """
+        if self.sym:
+            _, scale = symmetric_int4(groups, torch.float16)
+            return scale, torch.full(scale.shape, 8, dtype=torch.uint8)
+        min_zero = 1 if self.checkpoint_format == "gptq" else 0
+        _, scale, zero = asymmetric_int4(groups, torch.float16, min_zero=min_zero)
+        return scale, zero
+
+    def pack(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> QuantizedTensor:
+        """Store codes ``uint8 [..., N, K]``, scales ``[..., N, G]`` and zero points ``[..., N, G]`` (0..15).
+
+        The inverse of ``codes``/``zero_points`` for callers that chose codes themselves; the
+        zero points are written by the checkpoint format (v1: ``z - 1``), the classic constant
+        when symmetric.
+        """
+        shape = tuple(codes.shape)
+        self._check_shape(shape, "codes")
+        *lead, n, k = shape
+        g = self._g(k)
+        if tuple(scales.shape) != (*lead, n, k // g) or tuple(zeros.shape) != tuple(scales.shape):
+            raise FormatError(
+                "scales/zeros", f"shape {[*lead, n, k // g]}", f"{list(scales.shape)} / {list(zeros.shape)}"
+            )
+        if self.sym:
+            zeros = torch.full(scales.shape, 8, dtype=torch.uint8)
+        z = zeros.to(torch.int16)
+        stored_zeros = (z - 1) & 0xF if self.checkpoint_format == "gptq" else z
+        tensors = {
+            ".qweight": pack_int32(codes.to(torch.uint8)).transpose(-1, -2).contiguous(),
+            ".qzeros": pack_int32(stored_zeros.to(torch.uint8).transpose(-1, -2).contiguous()),
+            ".scales": scales.to(torch.float16).transpose(-1, -2).contiguous(),
+            ".g_idx": (torch.arange(k, dtype=torch.int32) // g).expand(*lead, k).contiguous(),
+        }
+        return QuantizedTensor(self.method, shape, tensors, self.params)
+
     def codes(self, q: QuantizedTensor) -> torch.Tensor:
         """Unsigned codes ``uint8 [..., N, K]``."""
         return unpack_int32(q.tensors[".qweight"].transpose(-1, -2).contiguous())
