@@ -7,9 +7,9 @@ import os
 import sys
 
 from ..kernels.dispatch import EngineUnavailableError
-from . import bench, convert, demo, doctor, gptq, inspect_cmd
+from . import bench, convert, demo, doctor, generate, gptq, inspect_cmd
 
-COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq)
+COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

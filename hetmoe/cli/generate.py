@@ -1,0 +1,165 @@
+"""``hetmoe generate``: one prompt through a model with its routed experts in the CPU engine.
+
+Tokens stream to stdout as they are produced; then stderr gets the prefill and decode speeds and
+where the time went: the MoE layers' CPU-expert time (from submit to result, measured inside each
+HybridMoE), the part of it the caller spent blocked waiting for the CPU, and everything else
+(attention, router, shared and device experts, sampling: "device / non-expert").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NO_DEFAULT_MODEL = (
+    "no model given, and no default model ships with hetmoe yet: pass a model directory, e.g. "
+    'hetmoe generate /models/Qwen3-30B-A3B "Hello"'
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, experts on the CPU; prints tokens/s and where time went",
+        description=(
+            "Loads MODEL (a transformers MoE checkpoint directory) with its routed experts in the CPU engine "
+            "(stored precision, or --method to convert while loading), everything else on --device, and streams "
+            "the continuation of PROMPT. Afterwards it prints prefill and decode tokens/s and the split of the "
+            "time between CPU experts and the rest."
+        ),
+        epilog=(
+            "examples:\n"
+            '  hetmoe generate /models/Qwen3-30B-A3B "The capital of France is"\n'
+            '  hetmoe generate /models/DeepSeek-V3 "Hi" --method int4 --device cuda --gpu-experts 8\n'
+            '  hetmoe generate ./tiny "abc" --max-new-tokens 16 --temperature 0.7 --top-p 0.9 --seed 1'
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory (safetensors + config + tokenizer)")
+    p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the text to continue")
+    p.add_argument("--method", choices=("bf16", "int8", "int4"), help="convert experts to this CPU method on load")
+    p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
+    p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--threads", type=int, default=None, help="CPU engine threads (default: every usable CPU)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype (default: the config's)")
+    p.set_defaults(run=run)
+
+
+def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
+    if args.model is None:
+        raise ValueError(NO_DEFAULT_MODEL)
+    model = Path(args.model)
+    if args.prompt is None:
+        if not model.exists():  # one argument that is not a path: a prompt without a model
+            raise ValueError(NO_DEFAULT_MODEL)
+        raise ValueError(f'no prompt: hetmoe generate {args.model} "your prompt"')
+    if not model.is_dir():
+        raise ValueError(f"{model}: not a model directory")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.gpu_experts < 0:
+        raise ValueError(f"--gpu-experts must be >= 0, got {args.gpu_experts}")
+    return model, args.prompt
+
+
+def _streamer(tokenizer: Any, runtime: Any) -> Any:
+    """A TextStreamer that also notes when the first new token arrives (the end of prefill)."""
+    from transformers import TextStreamer
+
+    class TimedStreamer(TextStreamer):
+        first_at: float | None = None
+        at_first: Any = None
+        new_tokens = 0
+
+        def put(self, value: Any) -> None:
+            if self.next_tokens_are_prompt:
+                super().put(value)
+                return
+            if self.first_at is None:
+                self.first_at = time.perf_counter()
+                self.at_first = runtime.timing.snapshot()
+            self.new_tokens += int(value.numel())
+            super().put(value)
+
+    return TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def _phase_line(name: str, tokens: int, seconds: float, cpu_s: float, wait_s: float) -> str:
+    rate = tokens / seconds if seconds > 0 else float("inf")
+    other = max(0.0, seconds - wait_s)
+
+    def pct(x: float) -> str:
+        return f"{100 * x / seconds:.0f}%" if seconds > 0 else "-"
+
+    return (
+        f"{name}: {tokens} tokens in {seconds:.3f} s = {rate:.2f} tokens/s | "
+        f"CPU experts {cpu_s:.3f} s ({pct(cpu_s)}), waiting for them {wait_s:.3f} s ({pct(wait_s)}), "
+        f"device / non-expert {other:.3f} s ({pct(other)})"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir, prompt = _check_args(args)
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..models.loader import load_model
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{model_dir}: cannot load a tokenizer ({exc})") from None
+    model = load_model(
+        model_dir,
+        method=args.method,
+        device=args.device,
+        gpu_experts=args.gpu_experts,
+        cpu_threads=args.threads,
+        dtype=args.dtype,
+    )
+    runtime = model.hetmoe
+    print(f"loaded {model_dir} in {runtime.load_seconds:.2f} s: {runtime.summary()}", file=sys.stderr)
+    for note in runtime.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    inputs = tokenizer(prompt, return_tensors="pt").to(args.device)
+    prompt_tokens = int(inputs["input_ids"].shape[1])
+    sampling: dict[str, Any] = {"do_sample": False}
+    if args.temperature > 0:
+        sampling = {"do_sample": True, "temperature": args.temperature}
+        if args.top_p is not None:
+            sampling["top_p"] = args.top_p
+    streamer = _streamer(tokenizer, runtime)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    runtime.reset_timing()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            **inputs,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            pad_token_id=pad,
+            **sampling,
+        )
+    end = time.perf_counter()
+    sys.stdout.flush()
+    first = streamer.first_at or end
+    at_first = streamer.at_first or runtime.timing.snapshot()
+    decode = runtime.timing - at_first
+    print(file=sys.stderr)
+    print(_phase_line("prefill", prompt_tokens, first - start, at_first.cpu_s, at_first.wait_s), file=sys.stderr)
+    decoded = max(0, streamer.new_tokens - 1)  # the first new token came out of prefill
+    print(_phase_line("decode", decoded, end - first, decode.cpu_s, decode.wait_s), file=sys.stderr)
+    return 0

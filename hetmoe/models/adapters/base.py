@@ -1,0 +1,103 @@
+"""The adapter contract: what hetmoe needs to know about one transformers MoE architecture.
+
+An adapter says where the sparse MoE block sits in a decoder layer and which class it is, how the
+architecture routes a token (the top-k ids and weights, computed exactly as transformers does,
+from the block's own router parameters), what runs beside the routed experts (shared experts),
+which activation the experts use, and how checkpoint tensor names differ from the module names.
+Everything else (reading experts, the CPU engine, placement) is architecture-independent.
+
+Adding an architecture is one small file: subclass :class:`MoEAdapter`, fill in the class
+attributes, write ``route`` (and ``shared`` if there are shared experts), and register it in
+``__init__.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# A torch activation on the gate and up projections: h = act(gate, up).
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class MoEAdapter:
+    """One architecture. Instances hold the transformers config of the model being run."""
+
+    # transformers ``model_type`` values served by this adapter (aliases such as kimi_k2 included).
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # Class names of the sparse MoE block in transformers (checked before a block is replaced).
+    block_classes: ClassVar[tuple[str, ...]] = ()
+    # Attribute of a decoder layer holding the MoE block.
+    block_attr: ClassVar[str] = "mlp"
+    # Submodule name of the block's own router.
+    router_attr: ClassVar[str] = "gate"
+    # True when the block's forward returns ``(hidden, router_scores)`` (gpt-oss).
+    returns_router_scores: ClassVar[bool] = False
+    # (module-name fragment, checkpoint-name fragment): alternative spellings of a module name in
+    # checkpoints, e.g. Mixtral's ``block_sparse_moe`` for transformers 5's ``mlp``.
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # transformers model_type to build the model with when the checkpoint's is an alias.
+    transformers_model_type: ClassVar[str | None] = None
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    @property
+    def name(self) -> str:
+        return self.model_types[0]
+
+    # --- structure ---------------------------------------------------------------------------
+
+    def is_moe_block(self, module: nn.Module) -> bool:
+        return type(module).__name__ in self.block_classes
+
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        """Names a module tensor may have in a checkpoint, the module's own name first."""
+        names = [module_name]
+        for ours, theirs in self.checkpoint_renames:
+            if ours in module_name:
+                names.append(module_name.replace(ours, theirs))
+        return names
+
+    # --- math --------------------------------------------------------------------------------
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights ``[T, k]`` (in the dtype transformers multiplies with) and ids ``[T, k]``.
+
+        ``block`` is the MoE block (or the HybridMoE standing in for it: it carries the same
+        router submodule and buffers), ``x`` the flattened hidden states ``[T, H]``.
+        """
+        raise NotImplementedError
+
+    def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The output of the shared experts for ``x [T, H]``, or None when there are none."""
+        return None
+
+    @property
+    def activation(self) -> Activation:
+        """The experts' activation for the torch paths (device experts, CPU fallback)."""
+        act = getattr(self.config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            from transformers.activations import ACT2FN
+
+            fn = ACT2FN[act]
+            return lambda gate, up: fn(gate) * up
+        return silu_mul
+
+    def engine_activation(self) -> dict[str, Any] | None:
+        """CPUExperts' activation arguments for these experts, or None if the engine has no such
+        activation (the experts then run on the torch fallback)."""
+        if getattr(self.config, "hidden_act", "silu") in ("silu", "swish"):
+            return {}
+        return None
+
+    def top_k(self) -> int:
+        return int(self.config.num_experts_per_tok)

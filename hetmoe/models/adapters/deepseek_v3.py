@@ -1,0 +1,40 @@
+"""DeepSeek-V3/R1/V3.1 and Kimi-K2 (which uses the V3 layout under model_type kimi_k2): sigmoid
+scores from an fp32 router, choice by score + e_score_correction_bias among the best n_group
+groups, renormalised (norm_topk_prob) and scaled by routed_scaling_factor; ungated shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MoEAdapter
+from .routing import sigmoid_grouped_topk
+
+
+def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 router on ``block.gate`` (weight and e_score_correction_bias)."""
+    c = adapter.config
+    gate = block.gate
+    logits = F.linear(x.float(), gate.weight.float())
+    return sigmoid_grouped_topk(
+        logits,
+        gate.e_score_correction_bias,
+        adapter.top_k(),
+        int(c.n_group or 1),
+        int(c.topk_group or 1),
+        bool(c.norm_topk_prob),
+        float(c.routed_scaling_factor),
+    )
+
+
+class DeepseekV3Adapter(MoEAdapter):
+    model_types = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
+    block_classes = ("DeepseekV3MoE",)
+    transformers_model_type = "deepseek_v3"
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_sigmoid_route(self, block, x)
+
+    def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        return block.shared_experts(x)

@@ -1,0 +1,23 @@
+"""MiniMax-M2: sigmoid scores with an ``e_score_correction_bias`` (a buffer of the block, not of the
+router) deciding the choice, renormalised unbiased scores as weights. Checkpoints use Mixtral's
+``block_sparse_moe`` names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MoEAdapter
+from .routing import sigmoid_biased_topk
+
+
+class MiniMaxM2Adapter(MoEAdapter):
+    model_types = ("minimax_m2",)
+    block_classes = ("MiniMaxM2SparseMoeBlock",)
+    checkpoint_renames = ((".mlp.", ".block_sparse_moe."),)
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = block.gate.weight
+        logits = F.linear(x.to(weight.dtype), weight)
+        return sigmoid_biased_topk(logits, block.e_score_correction_bias, self.top_k())

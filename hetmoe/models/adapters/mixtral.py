@@ -1,0 +1,21 @@
+"""Mixtral: softmax top-k, always renormalised, weights kept in fp32. Hub checkpoints name the
+block ``block_sparse_moe`` (transformers 5 calls it ``mlp``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MoEAdapter
+from .routing import softmax_topk
+
+
+class MixtralAdapter(MoEAdapter):
+    model_types = ("mixtral",)
+    block_classes = ("MixtralSparseMoeBlock",)
+    checkpoint_renames = ((".mlp.", ".block_sparse_moe."),)
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, block.gate.weight)
+        return softmax_topk(logits, self.top_k(), True, None)

@@ -1,0 +1,19 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): softmax top-k, renormalised when norm_topk_prob."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MoEAdapter
+from .routing import softmax_topk
+
+
+class Qwen3MoeAdapter(MoEAdapter):
+    model_types = ("qwen3_moe",)
+    block_classes = ("Qwen3MoeSparseMoeBlock",)
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, block.gate.weight)
+        return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)

@@ -1,0 +1,379 @@
+"""load_model: a transformers MoE model whose routed experts run in hetmoe's CPU engine.
+
+The model is built on the meta device from ``config.json``, so nothing is allocated for it. Each
+sparse MoE block is replaced by a HybridMoE before any weight is read: the architecture's own
+expert parameters never exist. Every other tensor (attention, norms, router, shared experts,
+embeddings) is read from the memory-mapped safetensors one at a time, cast to the dtype
+transformers would give it, and placed on ``device``; on the CPU in its stored dtype it stays a
+view of the file (no copy). Each MoE layer's experts are then read with ``read_layer_experts`` in
+their stored precision (views of the file for fused layouts, one stacked copy for per-expert
+ones) or converted to the requested engine method one layer (and a bounded chunk of experts) at a
+time, and handed to CPUExperts; the few experts placed on the device are dequantized there.
+Peak memory is the stored experts plus the non-expert weights plus one layer's conversion.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import CheckpointError, TensorSource, open_source
+from ..checkpoint.config import read_config
+from ..checkpoint.experts import LayerExperts, read_layer_experts
+from ..checkpoint.layout import MoELayout, moe_layout
+from ..formats import get_codec
+from ..formats.base import QuantizedTensor
+from ..kernels.dispatch import set_num_threads
+from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
+from ..runtime.hybrid import ExpertBackend, HybridMoE
+from ..runtime.placement import plan_placement
+from ..runtime.session import HybridRuntime
+from ..runtime.stats import RuntimeStats, load_routing
+from ..runtime.torch_experts import TorchCPUExperts
+from .adapters import MoEAdapter, adapter_class
+
+_FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_model(
+    path: str | Path,
+    method: str | None = None,
+    device: str | torch.device = "cpu",
+    gpu_experts: int = 0,
+    placement: str = "uniform",
+    cpu_threads: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    *,
+    gpu_experts_total: int | None = None,
+    group_size: int | None = None,
+    routing_stats: str | Path | None = None,
+    record_routing: str | Path | None = None,
+    seed: int = 0,
+    replace_every: int = 0,
+    replace_margin: float = 0.25,
+    gemv_max_tokens: int = 4,
+    expert_backend: str = "auto",
+) -> Any:
+    """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
+
+    ``method``: the experts' CPU precision: None runs them as stored (any method the engine runs:
+    bf16, int8, int4 incl. Kimi-K2's, int4-asym, gptq, mxfp4, fp8, fp8-channel); ``"bf16"``,
+    ``"int8"``, ``"int4"`` (or another engine method) convert layer by layer while loading
+    (``group_size`` for the grouped ones; int4 defaults to 32). ``device``: where everything but the CPU experts runs.
+    ``gpu_experts``: experts per MoE layer kept on ``device`` (or ``gpu_experts_total`` for the
+    whole model), chosen by ``placement`` (uniform, frequency, front-loading, random; frequency
+    reads ``routing_stats``, a file written by a run with ``record_routing=PATH``).
+    ``replace_every``: re-place device experts from live counts every N calls of each layer.
+    ``dtype``: the model's dtype (default: the config's, else the stored embedding's). ``cpu_threads``: the engine's
+    worker threads (default: one per usable CPU). ``expert_backend``: ``"auto"`` (the engine
+    where it runs the architecture's experts, else the torch fallback), ``"engine"`` or ``"torch"``.
+
+    The returned model carries ``model.hetmoe`` (a HybridRuntime): placement, timing, routing
+    statistics (``save_routing_stats()``).
+    """
+    started = time.perf_counter()
+    p = Path(path)
+    directory = p if p.is_dir() else p.parent
+    source = open_source(p)
+    layout = moe_layout(read_config(p), source)
+    if layout.style == "gguf":
+        raise ValueError(f"{p}: load_model reads safetensors checkpoints; GGUF models are not supported yet")
+    adapter_cls = adapter_class(layout.model_type)  # aliases (kimi_k2) already resolved by the layout
+    config = _transformers_config(directory, adapter_cls)
+    adapter = adapter_cls(config)
+    model_dtype = _model_dtype(dtype, config, source)
+    dev = torch.device(device)
+    if method is not None and method not in ENGINE_METHODS:
+        raise ValueError(f"method {method!r}: the CPU engine runs {', '.join(ENGINE_METHODS)} (or None: as stored)")
+    if method is None and group_size is not None:
+        raise ValueError("group_size needs a method to convert to (e.g. method='int4')")
+    params = {"group_size": group_size} if group_size is not None else {}
+    if expert_backend not in ("auto", "engine", "torch"):
+        raise ValueError(f"expert_backend {expert_backend!r}: expected 'auto', 'engine' or 'torch'")
+    if cpu_threads is not None:
+        set_num_threads(cpu_threads)
+
+    frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
+    plan = plan_placement(
+        placement, layout.moe_layers, layout.num_experts, gpu_experts, gpu_experts_total, frequencies, seed
+    )
+
+    model = _meta_model(config, model_dtype)
+    stats = RuntimeStats(layout.num_experts, layout.top_k, layout.model_type, record_routing=record_routing is not None)
+    hybrids = _replace_blocks(model, adapter, layout, stats, model_dtype, dev)
+    _load_non_experts(model, source, adapter, model_dtype, dev, config)
+    _materialize_leftovers(model, dev)
+
+    methods = set()
+    for layer in layout.moe_layers:
+        experts = read_layer_experts(source, layout, layer, method, **params)
+        _release_freed_memory()  # the reader's validation and conversion temporaries
+        backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
+        methods.add(backend.gate.method)
+        hybrids[layer].attach(backend, plan.get(layer, []), experts.biases)
+        if replace_every:
+            hybrids[layer].enable_replacement(replace_every, replace_margin)
+        del experts
+        _release_freed_memory()
+
+    model.eval()
+    model.requires_grad_(False)
+    _load_generation_config(model, directory)
+    model.config._name_or_path = str(p)
+    runtime = HybridRuntime(
+        layers=hybrids,
+        stats=stats,
+        method="/".join(sorted(methods)),
+        device=dev,
+        routing_path=Path(record_routing) if record_routing is not None else None,
+        load_seconds=time.perf_counter() - started,
+    )
+    if any(isinstance(m.cpu, TorchCPUExperts) for m in hybrids.values()):
+        runtime.notes.append(f"{adapter.name}: experts run on the torch CPU fallback, not the engine")
+    model.hetmoe = runtime
+    return model
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def _transformers_config(directory: Path, adapter_cls: type[MoEAdapter]) -> Any:
+    """The transformers config; aliases transformers does not know (kimi_k2) built as their base type."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    raw = json.loads((directory / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        return AutoConfig.from_pretrained(str(directory))
+    target = adapter_cls.transformers_model_type
+    if target is None:
+        raise ValueError(f"{directory}: transformers has no model_type {model_type!r}")
+    skip = ("model_type", "auto_map", "architectures", "transformers_version")
+    return CONFIG_MAPPING[target](**{k: v for k, v in raw.items() if k not in skip})
+
+
+def _model_dtype(dtype: torch.dtype | str | None, config: Any, source: TensorSource) -> torch.dtype:
+    """The requested dtype, else the config's, else the stored embedding's, else bf16."""
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or _stored_dtype(source)
+    if isinstance(dtype, str):
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(_FLOAT_DTYPES)}")
+        dtype = _FLOAT_DTYPES[dtype]
+    if dtype not in _FLOAT_DTYPES.values():
+        raise ValueError(f"dtype {dtype}: expected bfloat16, float16 or float32")
+    return dtype
+
+
+def _stored_dtype(source: TensorSource) -> torch.dtype:
+    for key in source.keys():
+        if key.endswith("embed_tokens.weight"):
+            dtype = source.info(key).dtype
+            if dtype in _FLOAT_DTYPES.values():
+                return dtype  # type: ignore[return-value]
+    return torch.bfloat16
+
+
+def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _load_generation_config(model: nn.Module, directory: Path) -> None:
+    if (directory / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+
+
+# --- the model's structure -----------------------------------------------------------------------
+
+
+def _replace_blocks(
+    model: nn.Module,
+    adapter: MoEAdapter,
+    layout: MoELayout,
+    stats: RuntimeStats,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[int, HybridMoE]:
+    try:
+        layers = model.get_submodule(layout.prefix)
+    except AttributeError:
+        name = type(model).__name__
+        raise ValueError(f"the {name} model has no {layout.prefix} (where the checkpoint's layers are)") from None
+    hybrids: dict[int, HybridMoE] = {}
+    for layer in layout.moe_layers:
+        decoder = layers[layer]
+        block = getattr(decoder, adapter.block_attr, None)
+        if block is None or not adapter.is_moe_block(block):
+            found = type(block).__name__ if block is not None else "nothing"
+            raise ValueError(
+                f"layer {layer}: expected a {' or '.join(adapter.block_classes)} at .{adapter.block_attr}, "
+                f"found {found} (config and checkpoint disagree about which layers are MoE)"
+            )
+        hybrid = HybridMoE(block, adapter, layer, stats, dtype, device)
+        setattr(decoder, adapter.block_attr, hybrid)  # the block and its meta experts are dropped
+        hybrids[layer] = hybrid
+    return hybrids
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor, bool]]:
+    """``(full name, owner, local name, tensor, is_parameter)`` for parameters and persistent buffers."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, t in mod._parameters.items():
+            if t is not None:
+                out.append((prefix + name, mod, name, t, True))
+        for name, t in mod._buffers.items():
+            if t is not None and name not in mod._non_persistent_buffers_set:
+                out.append((prefix + name, mod, name, t, False))
+    return out
+
+
+def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern[str]]:
+    """transformers' keep-in-fp32 rules (e.g. DeepSeek's router), as from_pretrained applies them."""
+    plan_fn = getattr(model, "_get_dtype_plan", None)
+    plan = plan_fn(dtype) if plan_fn is not None else {}
+    return [re.compile(re.escape(k).replace(r"\*", ".*")) for k, v in plan.items() if v == torch.float32]
+
+
+def _load_non_experts(
+    model: nn.Module, source: TensorSource, adapter: MoEAdapter, dtype: torch.dtype, device: torch.device, config: Any
+) -> None:
+    keys = set(source.keys())
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    fp32 = _fp32_patterns(model, dtype)
+    missing: list[str] = []
+    for name, owner, local, tensor, is_param in _named_tensors(model):
+        if name in tied:
+            continue
+        key = next((k for k in adapter.checkpoint_names(name) if k in keys), None)
+        if key is None:
+            missing.append(name)
+            continue
+        info = source.info(key)
+        if tuple(info.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                info.file, f"tensor {key}: expected shape {list(tensor.shape)} for {name}, found {list(info.shape)}"
+            )
+        target = torch.float32 if any(p.search(name) for p in fp32) else tensor.dtype
+        value = _read_dense(source, key, keys, config)
+        # On the CPU in the stored dtype this is the file's own memory-mapped view: no copy.
+        value = value.to(device=device, dtype=target if value.is_floating_point() else value.dtype)
+        value._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' init skips it
+        if is_param:
+            owner._parameters[local] = nn.Parameter(value, requires_grad=False)
+        else:
+            owner._buffers[local] = value
+    if missing:
+        raise CheckpointError(
+            source.path,
+            f"{len(missing)} non-expert tensors the model needs are not in the checkpoint, first: {missing[:5]}",
+        )
+    if tied:
+        model.tie_weights()
+
+
+def _read_dense(source: TensorSource, key: str, keys: set[str], config: Any) -> torch.Tensor:
+    """A non-expert tensor as floats: fp8 weights (DeepSeek-V3, MiniMax-M2 releases) dequantized."""
+    t = source.get(key)
+    if t.dtype != torch.float8_e4m3fn or not key.endswith(".weight"):
+        return t
+    if key + "_scale_inv" in keys:
+        qc = getattr(config, "quantization_config", None) or {}
+        block = qc.get("weight_block_size", [128, 128]) if isinstance(qc, dict) else [128, 128]
+        codec, scale = get_codec("fp8", block_size=block), ".weight_scale_inv"
+    elif key + "_scale" in keys:
+        codec, scale = get_codec("fp8-channel"), ".weight_scale"
+    else:
+        raise CheckpointError(source.info(key).file, f"tensor {key}: fp8 without a weight_scale_inv or weight_scale")
+    s = source.get(key.removesuffix(".weight") + scale)
+    if scale == ".weight_scale" and s.dim() == 1:
+        s = s.unsqueeze(1)
+    q = QuantizedTensor(codec.method, tuple(t.shape), {".weight": t, scale: s}, codec.params)
+    return codec.dequantize(q, torch.float32)
+
+
+def _materialize_leftovers(model: nn.Module, device: torch.device) -> None:
+    """Give the tensors no checkpoint holds (rotary inv_freq and other non-persistent buffers) real
+    storage and let the model's own ``_init_weights`` compute them, as from_pretrained does."""
+    owners: dict[str, nn.Module] = {}
+    for mod_name, mod in model.named_modules():
+        for name, p in mod._parameters.items():
+            if p is not None and p.is_meta:
+                raise ValueError(f"{mod_name}.{name}: a parameter that nothing loaded (a bug in the adapter)")
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                fill = math.nan if b.is_floating_point() else 0
+                mod._buffers[name] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
+                owners[mod_name] = mod
+    init = getattr(model, "_init_weights", None)
+    for mod_name, mod in owners.items():
+        if init is not None:
+            with torch.no_grad():
+                init(mod)
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_floating_point() and bool(torch.isnan(b).any()):
+                raise ValueError(f"{mod_name}.{name}: a buffer the model's initialisation does not compute")
+
+
+# --- experts -------------------------------------------------------------------------------------
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap memory freed by a layer's temporaries back to the OS (glibc keeps freed
+    blocks below its dynamic mmap threshold, and fragmentation leaves most of them unused: without
+    this, resident memory grows by about two layers' worth of validation temporaries per layer)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
+
+
+def _engine_activations() -> set[str]:
+    from ..runtime import cpu_experts
+
+    return set(getattr(cpu_experts, "ACTIVATIONS", {"silu": 0}))
+
+
+def _cpu_backend(
+    experts: LayerExperts, adapter: MoEAdapter, layout: MoELayout, gemv_max_tokens: int, backend: str
+) -> ExpertBackend:
+    """CPUExperts when the engine runs these experts; the torch fallback otherwise (or when asked)."""
+    act = adapter.engine_activation()
+    engine_ok = act is not None and act.get("activation", "silu") in _engine_activations()
+    if experts.biases and not act:
+        engine_ok = False  # biases only come with an activation that declares them (gpt-oss)
+    if backend == "torch" or (backend == "auto" and not engine_ok):
+        return TorchCPUExperts(experts.gate, experts.up, experts.down, experts.biases, adapter.activation)
+    if not engine_ok:
+        raise ValueError(f"{adapter.name}: this build of the CPU engine cannot run these experts (activation {act})")
+    stored = experts.gate.method
+    if stored not in ENGINE_METHODS:
+        raise ValueError(
+            f"{layout.config_source}: experts are stored as {stored}, which the CPU engine does not run; "
+            "pass method='int8', 'int4' or 'bf16' to convert them layer by layer while loading"
+        )
+    kwargs: dict[str, Any] = dict(act or {})
+    for name, bias in experts.biases.items():
+        kwargs[f"{name}_bias"] = bias
+    return CPUExperts(experts.gate, experts.up, experts.down, gemv_max_tokens=gemv_max_tokens, **kwargs)

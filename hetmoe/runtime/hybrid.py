@@ -1,0 +1,207 @@
+"""HybridMoE: one sparse MoE block, its routed experts split between the device and the CPU engine.
+
+It stands in for the architecture's own MoE block and adopts every part of that block except the
+routed experts (router, shared experts, correction-bias buffers) under the same names, so the
+model's state-dict keys stay the checkpoint's. A forward:
+
+1. routes on the device with the adapter's routing function (the architecture's exact math on
+   the block's own router parameters);
+2. submits the token batch to the CPU engine, which skips the experts in the device mask;
+3. meanwhile computes the device experts (DeviceExperts) and the shared experts on the device;
+4. waits for the CPU result and sums everything in the model's dtype.
+
+Every (token, expert) pair is computed exactly once: on the device when the expert is in the
+mask, else on the CPU. Optional: routing statistics per expert (for the ``frequency`` placement)
+and dynamic re-placement every ``replace_every`` calls (``placement.choose_swaps``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..formats import QuantizedTensor
+from ..models.adapters.base import MoEAdapter
+from .device_experts import DeviceExperts
+from .placement import choose_swaps
+from .stats import RuntimeStats
+from .torch_experts import ExpertWeights, expert_weights
+
+_ENGINE_X_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class ExpertBackend(Protocol):
+    """What HybridMoE needs from the CPU side: CPUExperts, or the torch fallback."""
+
+    gate: QuantizedTensor
+    up: QuantizedTensor
+    down: QuantizedTensor
+    experts: int
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int: ...
+
+    def wait(self, handle: int) -> torch.Tensor: ...
+
+    def set_mask(self, mask: torch.Tensor) -> None: ...
+
+
+class HybridMoE(nn.Module):
+    def __init__(
+        self,
+        block: nn.Module,
+        adapter: MoEAdapter,
+        layer: int,
+        stats: RuntimeStats,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        # Adopt the block's router, shared experts, parameters and buffers under their own names.
+        for name, child in block.named_children():
+            if name != "experts":
+                self.add_module(name, child)
+        for name, param in block.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in block.named_buffers(recurse=False):
+            self.register_buffer(name, buf, persistent=name not in block._non_persistent_buffers_set)
+        self.adapter = adapter
+        self.layer = layer
+        self.stats = stats
+        self.compute_dtype = dtype
+        self.device = torch.device(device)
+        self.block_class = type(block).__name__
+        self.cpu: ExpertBackend | None = None
+        self.biases: dict[str, torch.Tensor] = {}
+        self.device_experts: DeviceExperts | None = None
+        self._device_mask = torch.zeros(0, dtype=torch.bool)
+        # Tokens each expert processed on the CPU side (the device side counts in DeviceExperts).
+        self.cpu_counts = torch.zeros(0, dtype=torch.int64)
+        self.replace_every = 0
+        self.replace_margin = 0.25
+        self.replacements = 0  # experts swapped in by dynamic re-placement so far
+        self._live = torch.zeros(0, dtype=torch.float64)
+        self._calls = 0
+
+    def attach(
+        self,
+        cpu: ExpertBackend,
+        device_ids: list[int] | tuple[int, ...] = (),
+        biases: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Give the block its experts: all on ``cpu``, the ``device_ids`` copied to the device.
+
+        ``biases`` (gpt-oss: ``gate``/``up`` ``[E, I]``, ``down`` ``[E, H]``) are the stored expert
+        biases, from which device copies are made (CPUExperts keeps its own fp32 copy).
+        """
+        self.cpu = cpu
+        self.biases = dict(biases or {})
+        n = cpu.experts
+        self.device_experts = DeviceExperts(n, self.adapter.activation, self.device)
+        self.cpu_counts = torch.zeros(n, dtype=torch.int64)
+        self._live = torch.zeros(n, dtype=torch.float64)
+        for e in device_ids:
+            self.device_experts.add(e, self._expert_weights(e))
+        self._sync_mask()
+
+    def enable_replacement(self, every: int, margin: float = 0.25) -> None:
+        """Re-place every ``every`` calls from live routing counts (0 turns it off)."""
+        if every < 0 or margin < 0:
+            raise ValueError(f"replace_every and the margin must be >= 0, got {every} and {margin}")
+        self.replace_every, self.replace_margin = int(every), float(margin)
+
+    @property
+    def device_ids(self) -> list[int]:
+        return self.device_experts.ids if self.device_experts is not None else []
+
+    def _expert_weights(self, e: int) -> ExpertWeights:
+        assert self.cpu is not None
+        return expert_weights(
+            self.cpu.gate, self.cpu.up, self.cpu.down, self.biases, e, self.compute_dtype, self.device
+        )
+
+    def _sync_mask(self) -> None:
+        assert self.cpu is not None and self.device_experts is not None
+        self._device_mask = self.device_experts.mask()
+        self.cpu.set_mask(self._device_mask)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.cpu is None or self.device_experts is None:
+            raise RuntimeError(f"HybridMoE of layer {self.layer} has no experts attached")
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            # The engine has no backward: gradients would silently skip the routed experts.
+            raise RuntimeError("HybridMoE is inference-only: run under torch.no_grad() (fine-tuning is hetmoe sft)")
+        start = time.perf_counter()
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids = self.adapter.route(self, x)
+        with torch.no_grad():
+            # The engine's contract: CPU, contiguous, x in bf16/fp32, int64 ids, fp32 weights.
+            x_cpu = x.detach().to("cpu")
+            if x_cpu.dtype not in _ENGINE_X_DTYPES:
+                x_cpu = x_cpu.float()
+            x_cpu = x_cpu.contiguous()
+            ids_cpu = ids.to(device="cpu", dtype=torch.int64).contiguous()
+            w_cpu = weights.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            self._count(ids_cpu)
+            submitted = time.perf_counter()
+            handle = self.cpu.submit(x_cpu, ids_cpu, w_cpu)
+            try:
+                routed = self.device_experts.forward(x, ids, weights) if len(self.device_experts) else None
+                shared = self.adapter.shared(self, x)
+            finally:
+                # Always collect the job: the engine writes into memory owned by the pending handle.
+                waiting = time.perf_counter()
+                y_cpu = self.cpu.wait(handle)
+                done = time.perf_counter()
+            out = y_cpu.to(device=x.device, dtype=x.dtype)
+            if routed is not None:
+                out = out + routed
+            if shared is not None:
+                out = out + shared
+        t = self.stats.timing
+        t.calls += 1
+        t.tokens += x.shape[0]
+        t.cpu_s += done - submitted
+        t.wait_s += done - waiting
+        t.moe_s += time.perf_counter() - start
+        if self.stats.record_routing:
+            self.stats.record(self.layer, ids_cpu)
+        self._maybe_replace(ids_cpu)
+        out = out.reshape(shape)
+        return (out, weights) if self.adapter.returns_router_scores else out
+
+    def _count(self, ids: torch.Tensor) -> None:
+        flat = ids.reshape(-1)
+        on_cpu = flat[(flat >= 0) & ~self._device_mask[flat.clamp(min=0)]]
+        self.cpu_counts += torch.bincount(on_cpu, minlength=self.cpu_counts.numel())
+
+    def _maybe_replace(self, ids: torch.Tensor) -> None:
+        if not self.replace_every or not len(self.device_experts or ()):
+            return
+        flat = ids.reshape(-1)
+        self._live += torch.bincount(flat[flat >= 0], minlength=self._live.numel()).double()
+        self._calls += 1
+        if self._calls % self.replace_every:
+            return
+        self.replace_now()
+
+    def replace_now(self) -> list[tuple[int, int]]:
+        """Swap device experts for hotter CPU ones by the live counts; returns ``[(out, in)]``."""
+        assert self.device_experts is not None
+        swaps = choose_swaps(self._live, self.device_experts.ids, self.replace_margin)
+        for out, inn in swaps:
+            self.device_experts.remove(out)
+            self.device_experts.add(inn, self._expert_weights(inn))
+        if swaps:
+            self._sync_mask()
+            self.replacements += len(swaps)
+        # Halve the history so the placement follows a drifting workload rather than the first prompt.
+        self._live *= 0.5
+        return swaps
+
+    def extra_repr(self) -> str:
+        n = self.cpu.experts if self.cpu is not None else 0
+        return f"layer={self.layer}, replaces={self.block_class}, experts={n}, on_device={self.device_ids}"
