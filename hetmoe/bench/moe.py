@@ -46,13 +46,15 @@ def _reps(tokens: int) -> int:
     return 30 if tokens <= 8 else 10 if tokens <= 64 else 5
 
 
-def _time(fn, reps: int, min_seconds: float) -> list[float]:
-    fn()  # warm-up: page in, allocate, spin up the pool
+def _time(fn, prepare, reps: int, min_seconds: float) -> list[float]:
+    """Times ``fn(*prepare())``; only ``fn`` is inside the clock (routing is drawn outside it)."""
+    fn(*prepare())  # warm-up: page in, allocate, spin up the pool
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < min_seconds and len(times) < 10 * reps):
+        args = prepare()
         t0 = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -98,15 +100,24 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             gen = torch.Generator().manual_seed(cfg.seed + tokens)
             x = (torch.randn(tokens, h, generator=gen) * 0.5).bfloat16()
             for name, impl in impls.items():
-                routings = []
+                routings: list[int] = []
 
-                def step(impl=impl, routings=routings, gen=gen, tokens=tokens, x=x) -> None:
+                def draw(gen=gen, tokens=tokens, x=x, routings=routings) -> tuple:
                     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
                     w = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
                     routings.append(len(ids.unique()))
-                    impl.forward(x, ids, w)
+                    return x, ids, w
 
-                times = _time(step, _reps(tokens), cfg.min_seconds)
+                # torch's own OpenMP threads spin after each parallel region and would steal the
+                # cores from the engine's workers; the engine runs with torch at one thread (as
+                # hetmoe's runtime does around CPU-expert work), the torch baseline with its default.
+                torch_threads = torch.get_num_threads()
+                if name == "hetmoe":
+                    torch.set_num_threads(1)
+                try:
+                    times = _time(impl.forward, draw, _reps(tokens), cfg.min_seconds)
+                finally:
+                    torch.set_num_threads(torch_threads)
                 ms = statistics.median(times) * 1e3
                 active = statistics.median(routings)
                 ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
