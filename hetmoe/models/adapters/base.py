@@ -13,6 +13,7 @@ attributes, write ``route`` (and ``shared`` if there are shared experts), and re
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class MoEAdapter:
+class MoEAdapter(ABC):
     """One architecture. Instances hold the transformers config of the model being run."""
 
     # transformers ``model_type`` values served by this adapter (aliases such as kimi_k2 included).
@@ -69,13 +70,13 @@ class MoEAdapter:
 
     # --- math --------------------------------------------------------------------------------
 
+    @abstractmethod
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights ``[T, k]`` (in the dtype transformers multiplies with) and ids ``[T, k]``.
 
         ``block`` is the MoE block (or the HybridMoE standing in for it: it carries the same
         router submodule and buffers), ``x`` the flattened hidden states ``[T, H]``.
         """
-        raise NotImplementedError
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The output of the shared experts for ``x [T, H]``, or None when there are none."""
