@@ -84,3 +84,11 @@ def test_generate_bad_arguments_are_clear(model_dir: Path, tmp_path: Path, capsy
     (tmp_path / "config.json").write_text("{}")
     assert main(["generate", str(tmp_path), "x"]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_generate_without_tokenizer_is_a_clear_error(tiny_cache, capsys) -> None:
+    from hetmoe.cli.main import main
+
+    model = tiny_cache.model("qwen3_moe")  # save_pretrained of a bare model: no tokenizer files
+    assert main(["generate", str(model), "hello", "--max-new-tokens", "2"]) == 1
+    assert "no tokenizer files" in capsys.readouterr().err

@@ -116,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
 
     from ..models.loader import load_model
 
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if model_dir.is_dir() and not any((model_dir / f).exists() for f in tokenizer_files):
+        raise ValueError(
+            f"{model_dir}: no tokenizer files ({', '.join(tokenizer_files)}); generate needs the model's tokenizer"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
@@ -136,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
     inputs = tokenizer(prompt, return_tensors="pt").to(args.device)
     prompt_tokens = int(inputs["input_ids"].shape[1])
+    if prompt_tokens == 0:
+        raise ValueError(f"{model_dir}: the tokenizer turned the prompt {prompt!r} into no tokens")
     sampling: dict[str, Any] = {"do_sample": False}
     if args.temperature > 0:
         sampling = {"do_sample": True, "temperature": args.temperature}
