@@ -26,6 +26,7 @@ from ..formats.registry import UnknownMethodError
 from .detect import SUFFIXES
 from .errors import CheckpointError
 from .layout import MoELayout, fused_suffix
+from .safetensors_file import TensorInfo
 from .source import TensorSource
 
 PROJECTIONS = ("gate", "up", "down")
@@ -322,17 +323,30 @@ def _read_fused(source: TensorSource, layout: MoELayout, layer: int) -> LayerExp
     return LayerExperts(layer, gate, up, down)
 
 
-def _full_precision(source: TensorSource, key: str, shape: tuple[int, ...], layout: MoELayout) -> torch.Tensor:
-    """A bf16 (or castable float) tensor that must have exactly ``shape``."""
+def _shaped_info(
+    source: TensorSource,
+    layout: MoELayout,
+    key: str,
+    shape: tuple[int, ...],
+    names: tuple[str, str] = ("hidden_size", "expert intermediate size"),
+) -> TensorInfo:
+    """The info of tensor ``key``, which must exist and have exactly ``shape``; ``names`` are the
+    config fields the shape came from, as the source spells them (safetensors config or GGUF)."""
     if key not in layout.keys:
         raise CheckpointError(source.path, f"missing tensor {key}")
     info = source.info(key)
     if info.shape != shape:
         raise CheckpointError(
             info.file,
-            f"tensor {key}: expected shape {list(shape)} ({layout.num_experts} experts, hidden_size="
-            f"{layout.hidden_size}, expert intermediate size={layout.intermediate_size}), found {list(info.shape)}",
+            f"tensor {key}: expected shape {list(shape)} ({layout.num_experts} experts, {names[0]}="
+            f"{layout.hidden_size}, {names[1]}={layout.intermediate_size}), found {list(info.shape)}",
         )
+    return info
+
+
+def _full_precision(source: TensorSource, key: str, shape: tuple[int, ...], layout: MoELayout) -> torch.Tensor:
+    """A bf16 (or castable float) tensor that must have exactly ``shape``."""
+    info = _shaped_info(source, layout, key, shape)
     if not _is_float(info.dtype):
         raise CheckpointError(info.file, f"tensor {key}: expected a float dtype, found {info.dtype}")
     t = source.get(key)
@@ -386,15 +400,7 @@ def _read_gpt_oss(source: TensorSource, layout: MoELayout, layer: int) -> LayerE
 
 
 def _gguf_tensor(source: TensorSource, layout: MoELayout, key: str, shape: tuple[int, ...]) -> QuantizedTensor:
-    if key not in layout.keys:
-        raise CheckpointError(source.path, f"missing tensor {key}")
-    info = source.info(key)
-    if info.shape != shape:
-        raise CheckpointError(
-            info.file,
-            f"tensor {key}: expected shape {list(shape)} ({layout.num_experts} experts, embedding_length="
-            f"{layout.hidden_size}, expert_feed_forward_length={layout.intermediate_size}), found {list(info.shape)}",
-        )
+    info = _shaped_info(source, layout, key, shape, ("embedding_length", "expert_feed_forward_length"))
     try:
         codec = get_codec(f"gguf:{str(info.dtype).lower()}")
     except UnknownMethodError as exc:
