@@ -37,20 +37,11 @@ inline V vload_fp8(const uint8_t* p) {
                               _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
   return _mm512_cvtph_ps(h);
 }
-inline V vexp(V x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.f)), vset1(88.f));
-  V n = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = vfma(n, vset1(-0.693359375f), x);
-  r = vfma(n, vset1(2.12194440e-4f), r);
-  V p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vset1(1.f)));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return vmul(p, _mm512_castsi512_ps(e));
+inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vround(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V vexp2i(V n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 // VNNI: two fused multiply-accumulates of int16 pairs into 8 int32 lanes.
 inline __m256i idot(__m256i even, __m256i xe, __m256i odd, __m256i xo) {
