@@ -121,6 +121,7 @@ def _validate(codec: Codec, q: QuantizedTensor, name: str, file: str | Path) -> 
         codec.validate(q, name)
     except FormatError as exc:
         raise CheckpointError(file, str(exc)) from exc
+    q.validated = True
 
 
 def _missing_error(source: TensorSource, layer: int, missing: list[str], total: int) -> CheckpointError:
@@ -218,6 +219,7 @@ def _stack(
     except FormatError as exc:
         _blame_expert(source, layout, layer, template, codec, q)
         raise CheckpointError(source.info(layout.key(layer, template, specs[0].suffix)).file, str(exc)) from exc
+    q.validated = True
     return q
 
 

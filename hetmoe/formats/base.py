@@ -59,6 +59,9 @@ class QuantizedTensor:
     shape: tuple[int, ...]
     tensors: dict[str, torch.Tensor]
     params: dict[str, Any] = field(default_factory=dict)
+    # Set by a reader once ``validate`` passed on exactly these tensors, so later layers (the
+    # engine) need not scan gigabytes again; anything that builds new tensors starts unvalidated.
+    validated: bool = field(default=False, compare=False, repr=False)
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """The tensors under their checkpoint names for a module ``prefix``."""
