@@ -185,6 +185,25 @@ def test_quantized_experts_within_snr_bound(model_type: str, method: str, tiny) 
     assert rel(got, want) <= 3 * eps, (rel(got, want), eps)
 
 
+@pytest.mark.parametrize("method", ["gguf:q8_0", "gguf:q4_0", "gguf:iq4_nl"])
+def test_gguf_block_types_as_load_methods(method: str, tiny) -> None:
+    """load_model quantizes experts to a GGUF block type layer by layer (the engine's native kernels)."""
+    path = tiny("qwen3_moe")
+    ids = tokens()
+    want = logits(reference(path, torch.float32), ids)
+    got = logits(load_model(path, method=method, dtype=torch.float32), ids)
+    eps = 10 ** (-_worst_snr(path, method) / 20)
+    assert rel(got, want) <= 3 * eps, (rel(got, want), eps)
+
+
+def test_gguf_types_hetmoe_cannot_quantize_or_block_are_clear_errors(tiny) -> None:
+    path = tiny("qwen3_moe")
+    with pytest.raises(ValueError, match="gguf:q2_k"):
+        load_model(path, method="gguf:q2_k")
+    with pytest.raises(ValueError, match="divisible by 256"):  # K-quant super-blocks need K % 256 == 0
+        load_model(path, method="gguf:q4_k")
+
+
 def test_stored_quantized_checkpoints_run_as_stored(tiny_cache, tmp_path: Path) -> None:
     """Kimi-K2 int4 (compressed-tensors, model_type kimi_k2 through the V3 adapter), DeepSeek fp8 and
     gpt-oss mxfp4 run in their stored precision; the torch fallback, which dequantizes exactly,

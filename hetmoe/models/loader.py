@@ -91,8 +91,11 @@ def load_model(
     adapter = adapter_cls(config)
     model_dtype = _model_dtype(dtype, config, source)
     dev = torch.device(device)
-    if method is not None and method not in ENGINE_METHODS:
-        raise ValueError(f"method {method!r}: the CPU engine runs {', '.join(ENGINE_METHODS)} (or None: as stored)")
+    if method is not None and method not in ENGINE_METHODS and not _is_gguf_method(method):
+        raise ValueError(
+            f"method {method!r}: load_model converts experts to {', '.join(ENGINE_METHODS[:-1])} or a GGUF type "
+            "hetmoe quantizes (gguf:q4_0, gguf:q8_0, gguf:q4_k, gguf:q6_k, ...), or runs them as stored (None)"
+        )
     if method is None and group_size is not None:
         raise ValueError("group_size needs a method to convert to (e.g. method='int4')")
     params = {"group_size": group_size} if group_size is not None else {}
@@ -143,6 +146,17 @@ def load_model(
 
 
 # --- configuration -------------------------------------------------------------------------------
+
+
+def _is_gguf_method(method: str) -> bool:
+    """A GGUF block type hetmoe can quantize to (``gguf:q4_k``); the engine runs it natively or transcoded."""
+    if not method.startswith("gguf:"):
+        return False
+    try:
+        codec = get_codec(method)
+    except ValueError:
+        return False
+    return getattr(codec, "can_quantize", True)
 
 
 def _transformers_config(directory: Path, adapter_cls: type[MoEAdapter]) -> Any:
@@ -368,7 +382,7 @@ def _cpu_backend(
     if not engine_ok:
         raise ValueError(f"{adapter.name}: this build of the CPU engine cannot run these experts (activation {act})")
     stored = experts.gate.method
-    if stored not in ENGINE_METHODS:
+    if stored not in ENGINE_METHODS and not stored.startswith("gguf:"):
         raise ValueError(
             f"{layout.config_source}: experts are stored as {stored}, which the CPU engine does not run; "
             "pass method='int8', 'int4' or 'bf16' to convert them layer by layer while loading"
