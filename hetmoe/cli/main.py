@@ -7,9 +7,9 @@ import os
 import sys
 
 from ..kernels.dispatch import EngineUnavailableError
-from . import bench, convert, demo, doctor, generate, gptq, inspect_cmd
+from . import bench, convert, demo, doctor, generate, gptq, inspect_cmd, sft
 
-COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate)
+COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, sft)
 
 
 def build_parser() -> argparse.ArgumentParser:
