@@ -480,3 +480,79 @@ class TinyCache:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, dst)
         return dst
+
+
+# --- a tiny chat model (serve, chat) ---------------------------------------------------------------
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CHAT_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Mixture-of-experts models route every token to a few experts. "
+    "Hello, how are you today? I am fine, thank you. What is the capital of France? Paris is the capital. "
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Café, naïve, über, 東京, emoji 🙂 and math π ≈ 3.14159. "
+    "def main():\n    return 42\n"
+)
+
+
+def build_tiny_chat_model(
+    out_dir: str | Path,
+    *,
+    bpe_vocab: int = 512,
+    max_position_embeddings: int = 2048,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> Path:
+    """A tiny random Qwen3-MoE with a byte-level BPE tokenizer: ChatML special tokens and chat template.
+
+    The BPE (at most ``bpe_vocab`` tokens) is trained on a small built-in corpus; every byte is in
+    its alphabet, so any text, emoji included, tokenizes, and random models can emit partial UTF-8
+    sequences. The model's vocabulary is exactly the tokenizer's (a random model never emits an id
+    the tokenizer lacks) and ``<|im_end|>`` is its end-of-sequence token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab,
+        special_tokens=list(CHATML_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CHAT_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+    )
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+
+    torch.manual_seed(seed)
+    config = tiny_config(
+        "qwen3_moe",
+        vocab_size=tok.get_vocab_size(),
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
+
+
+def tiny_chat_model(cache: TinyCache) -> Path:
+    """The tiny chat model (``build_tiny_chat_model``), built once per test session in ``cache``."""
+    return cache._once("qwen3_moe-chat", build_tiny_chat_model)

@@ -7,9 +7,9 @@ import os
 import sys
 
 from ..kernels.dispatch import EngineUnavailableError
-from . import bench, convert, demo, doctor, generate, gptq, inspect_cmd, sft
+from . import bench, chat, convert, demo, doctor, generate, gptq, inspect_cmd, serve, sft
 
-COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, sft)
+COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, serve, chat, sft)
 
 
 def build_parser() -> argparse.ArgumentParser:

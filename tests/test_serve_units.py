@@ -1,0 +1,233 @@
+"""The serving pieces that need no server: sampling, incremental detokenization and stop strings,
+request validation, the Prometheus text format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+
+from tiny_models import tiny_chat_model
+
+from hetmoe.serve.metrics import Metrics
+from hetmoe.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_supported,
+    parse_json,
+    validate,
+)
+from hetmoe.serve.sampling import SamplingParams, filter_logits, make_generator, sample_token
+from hetmoe.serve.stops import IncrementalDetokenizer, OutputText, StopMatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_cache):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_chat_model(tiny_cache)))
+
+
+# --- sampling --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8), (0.5, 20, 0.6)]
+)
+def test_filtered_distribution_matches_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(1)) * 3
+    ref = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ours = filter_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
+    torch.testing.assert_close(ours.softmax(-1), ref[0].softmax(-1))
+    kept = int((~torch.isinf(ours)).sum())
+    assert kept < 200 if (top_k or top_p < 1) else kept == 200
+
+
+def test_sampling_is_greedy_at_zero_and_reproducible_with_a_seed() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    assert sample_token(logits, greedy, make_generator(None)) == int(logits.argmax())
+    hot = SamplingParams(max_tokens=1, temperature=1.5, seed=7)
+    draws = [sample_token(logits, hot, g) for g in [make_generator(7)] for _ in range(20)]
+    again = [sample_token(logits, hot, g) for g in [make_generator(7)] for _ in range(20)]
+    assert draws == again and len(set(draws)) > 1
+    # top_k=1 is greedy whatever the temperature; top-p leaves only the top token when it holds the mass.
+    assert sample_token(logits, SamplingParams(1, temperature=2.0, top_k=1), make_generator(0)) == int(logits.argmax())
+    peaked = torch.full((50,), -20.0)
+    peaked[13] = 20.0
+    assert all(sample_token(peaked, SamplingParams(1, 1.0, top_p=0.5), make_generator(s)) == 13 for s in range(5))
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    g = make_generator(0)
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+    counts = torch.bincount(torch.tensor([sample_token(logits, params, g) for _ in range(4000)]), minlength=4)
+    torch.testing.assert_close(counts.float() / 4000, logits.softmax(-1), atol=0.03, rtol=0)
+
+
+# --- stops and detokenization ----------------------------------------------------------------------
+
+
+def _feed(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:
+    out = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out.append(text)
+        if stopped:
+            return out, True
+    out.append(matcher.flush())
+    return out, False
+
+
+def test_stop_strings_across_pieces_never_leak_a_partial_stop() -> None:
+    out, stopped = _feed(StopMatcher(["END"]), ["abc E", "N", "D tail"])
+    assert stopped and "".join(out) == "abc " and out == ["abc ", "", ""]
+    # a held prefix that turns out not to be a stop is released
+    out, stopped = _feed(StopMatcher(["END"]), ["x E", "NX", "y"])
+    assert not stopped and "".join(out) == "x ENXy" and out[0] == "x "
+    # the earliest of several stops wins, even when a longer one started first
+    out, stopped = _feed(StopMatcher(["abcd", "bc"]), ["a", "b", "c", "d"])
+    assert stopped and "".join(out) == "a"
+    out, stopped = _feed(StopMatcher(["\n\n"]), ["line\n", "\nnext"])
+    assert stopped and "".join(out) == "line"
+    with pytest.raises(ValueError, match="empty"):
+        StopMatcher([""])
+
+
+def test_incremental_detokenization_equals_a_full_decode_and_never_splits_utf8(tokenizer) -> None:
+    text = "Café 東京 🙂 naïve — π ≈ 3.14 über the lazy dog"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # several tokens per multi-byte character
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)  # a character split over tokens never shows half
+    # random ids (broken UTF-8 included): the pieces still add up to what decode() gives for all of them
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        rand = torch.randint(0, len(tokenizer), (30,), generator=gen).tolist()
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids)
+        pieces = [detok.push(t) for t in rand]
+        assert not any(p.endswith("\ufffd") for p in pieces)
+        full = tokenizer.decode(rand, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(pieces) + detok.flush() == full
+
+
+def test_output_text_stops_on_a_string_spanning_tokens(tokenizer) -> None:
+    ids = tokenizer("Hello, how are you today? I am fine", add_special_tokens=False)["input_ids"]
+    stop = "are yo"
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert not any(stop in p for p in pieces)  # no single token holds it
+    out = OutputText(tokenizer, [stop])
+    emitted = []
+    for t in ids:
+        text, stopped = out.push(t)
+        emitted.append(text)
+        if stopped:
+            break
+    assert stopped and "".join(emitted) == "Hello, how "
+    assert all(not e.endswith(("a", "ar", "are", "are ", "are y")) for e in emitted)
+
+
+# --- request validation -----------------------------------------------------------------------------
+
+
+def _chat(**fields):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+def test_invalid_chat_fields_name_the_field(fields: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        validate(ChatCompletionRequest, _chat(**fields))
+    assert err.value.status == 400 and err.value.param is not None and err.value.param.startswith(param)
+    assert err.value.message.startswith(param) and "found" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty")],
+)
+def test_unsupported_parameters_are_refused(fields: dict, param: str) -> None:
+    req = validate(ChatCompletionRequest, _chat(**fields))
+    with pytest.raises(ApiError) as err:
+        check_supported(req)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_completion_prompts_and_json_parsing() -> None:
+    assert validate(CompletionRequest, {"model": "m", "prompt": ["x"]}).prompt_value() == "x"
+    assert validate(CompletionRequest, {"model": "m", "prompt": [1, 2]}).prompt_value() == [1, 2]
+    assert validate(CompletionRequest, {"model": "m", "prompt": [[3]]}).prompt_value() == [3]
+    for bad in ({"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": []}, {"model": "m", "prompt": [-1]}):
+        with pytest.raises(ApiError):
+            validate(CompletionRequest, bad)
+    assert parse_json(b'{"a": 1}') == {"a": 1}
+    for body in (b"", b"{", b"[1]", b'{"t": NaN}', b"[" * 100000, b"\xff\xfe"):
+        with pytest.raises(ApiError) as err:
+            parse_json(body)
+        assert err.value.status == 400 and err.value.code == "invalid_json"
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+
+def test_metrics_render_prometheus_text() -> None:
+    m = Metrics()
+    m.requests.inc(endpoint="/v1/completions", status="200")
+    m.requests.inc(endpoint="/v1/completions", status="200")
+    m.ttft.observe(0.003)
+    m.ttft.observe(100.0)
+    m.add_gauge("queue_depth", "waiting", lambda: 3)
+    text = m.render()
+    assert 'hetmoe_requests_total{endpoint="/v1/completions",status="200"} 2' in text
+    assert 'hetmoe_time_to_first_token_seconds_bucket{le="0.0025"} 0' in text
+    assert 'hetmoe_time_to_first_token_seconds_bucket{le="0.005"} 1' in text
+    assert 'hetmoe_time_to_first_token_seconds_bucket{le="60"} 1' in text
+    assert 'hetmoe_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert "hetmoe_time_to_first_token_seconds_count 2" in text and "hetmoe_queue_depth 3" in text
+    for line in text.splitlines():  # every sample line is NAME[{labels}] VALUE
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            float(value.replace("+Inf", "inf"))
+            assert name.startswith("hetmoe_")
+    assert "# TYPE hetmoe_time_to_first_token_seconds histogram" in text
+
+
+def test_tiny_chat_model_has_a_chat_template(tiny_cache) -> None:
+    path: Path = tiny_chat_model(tiny_cache)
+    config = json.loads((path / "config.json").read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert len(tok) == config["vocab_size"] and tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
