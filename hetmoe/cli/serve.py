@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  hetmoe serve\n"
             "  hetmoe serve /models/Qwen3-30B-A3B --method int4 --port 8080 --max-batch 16\n"
+            "  hetmoe serve --lora runs/sft/adapter\n"
             "  HETMOE_API_KEY=secret hetmoe serve ./my-model --host 0.0.0.0\n"
             "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             '       -d \'{"model": "hetmoe-default", "messages": [{"role": "user", "content": "Hi"}]}\''
@@ -37,7 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set, else no key)")
     p.add_argument("--model-name", help="the model id clients send (default: the directory's name)")
-    p.add_argument("--method", choices=("bf16", "int8", "int4"), help="convert experts to this CPU method on load")
+    p.add_argument(
+        "--method",
+        help="convert experts to this CPU method on load (bf16, int8, int4, fp8, gguf:q4_k, ...; default: as stored)",
+    )
+    p.add_argument("--lora", metavar="DIR", help="a LoRA adapter saved by `hetmoe sft train` (PEFT format) to apply")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype (default: the config's)")
@@ -120,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         gpu_experts=args.gpu_experts,
     )
+    if args.lora:
+        from ..sft.inference import apply_adapter
+
+        apply_adapter(served.model, args.lora)
+        print(f"applied LoRA adapter {args.lora}", file=sys.stderr)
     runtime = served.model.hetmoe
     print(f"loaded {path} in {runtime.load_seconds:.2f} s: {runtime.summary()}", file=sys.stderr)
     app = build_app(served, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue)
