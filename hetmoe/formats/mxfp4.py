@@ -77,6 +77,6 @@ class MXFP4Codec(Codec):
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         *lead, n, k = q.shape
         codes = unpack_nibbles(q.tensors["_blocks"])  # [..., N, K/32, 32]
-        values = E2M1_VALUES[codes.long()]
+        values = E2M1_VALUES.to(codes.device)[codes.long()]  # the table follows the codes onto a GPU
         exponent = q.tensors["_scales"].to(torch.int32) - 127
         return torch.ldexp(values, exponent.unsqueeze(-1).float()).reshape(*lead, n, k).to(dtype)
