@@ -1,0 +1,524 @@
+#!/usr/bin/env python
+"""Train hetmoe's embedded default model: a small Qwen3-MoE that writes Python-standard-library text.
+
+Everything comes from this machine, offline: the training text is the Python standard library's own
+sources (found with ``sysconfig.get_paths()["stdlib"]``, files in sorted order, test packages and
+huge generated files skipped) plus synthetic ChatML conversations built from them ("What does
+`json.dumps` do?" answered with the docstring's first paragraph; "Write a Python function named
+`x`" answered with its source). A byte-level BPE tokenizer is trained on the same text. A fixed
+slice of modules (chosen by a hash of the module name, so it never depends on the seed) is held
+out: its loss gives the reported perplexity and its first 64 KB become ``heldout.txt``.
+
+The run is deterministic for a given ``--seed`` on a given machine (same Python stdlib, same torch
+thread count): data order, initialisation and batch sampling all derive from the seed.
+
+Output (``--out``, default ``hetmoe/assets/default_model``) is built in a temporary directory beside
+the target and renamed into place only when complete: config.json, generation_config.json,
+model.safetensors (bf16), tokenizer.json, tokenizer_config.json (with the ChatML chat template),
+training_report.json and heldout.txt.
+
+examples:
+  python scripts/train_default_model.py                       # the shipped model (20 min on a busy 2-core box)
+  python scripts/train_default_model.py --seed 1 --steps 300 --out /tmp/m
+  python scripts/train_default_model.py --smoke --out /tmp/smoke   # seconds: a tiny model, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "hetmoe" / "assets" / "default_model"
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Directories whose modules are tests, not library code; files above MAX_FILE_BYTES are generated
+# tables (pydoc_data/topics.py, the encodings' charmaps are skipped by directory).
+SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "encodings", "turtledemo"}
+MAX_FILE_BYTES = 200_000
+HELDOUT_BUCKETS = 20  # 1 in 20 modules is held out
+HELDOUT_TXT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Model shape and training schedule; ``--smoke`` swaps in a tiny one."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 96
+    seq_len: int = 256
+    batch_size: int = 16
+    chat_rows: int = 5  # rows of each batch that start at a chat example
+    steps: int = 800
+    lr: float = 3e-3
+    warmup: int = 60
+    weight_decay: float = 0.1
+    router_aux_loss_coef: float = 0.01
+    max_files: int = 0  # 0 = every file
+    eval_windows: int = 160
+
+
+SMOKE = Recipe(
+    vocab_size=400,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    num_experts=4,
+    moe_intermediate_size=32,
+    seq_len=64,
+    batch_size=4,
+    chat_rows=1,
+    steps=4,
+    warmup=2,
+    max_files=12,
+    eval_windows=4,
+)
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class Module:
+    name: str
+    text: str
+
+
+def stdlib_modules(max_files: int = 0) -> list[Module]:
+    """The standard library's Python sources, sorted by path, tests and generated files skipped."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    modules: list[Module] = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in SKIP_DIRS or part.startswith("config-") for part in rel.parts[:-1]):
+            continue
+        if rel.name.startswith("_sysconfigdata") or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if not parts or not text.strip():
+            continue
+        modules.append(Module(".".join(parts), text))
+        if max_files and len(modules) >= max_files:
+            break
+    if not modules:
+        raise SystemExit(f"no Python sources found under {root}")
+    return modules
+
+
+def is_heldout(name: str) -> bool:
+    """A fixed, seed-independent 1-in-20 split by module name."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % HELDOUT_BUCKETS == 0
+
+
+def _first_paragraph(doc: str, limit: int = 700) -> str:
+    para = inspect.cleandoc(doc).split("\n\n")[0].strip()
+    return para if len(para) <= limit else para[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def chat_examples(module: Module) -> list[list[dict[str, str]]]:
+    """Question/answer conversations from one module's public functions, classes and methods."""
+    try:
+        tree = ast.parse(module.text)
+    except SyntaxError:
+        return []
+    out: list[list[dict[str, str]]] = []
+
+    def visit(nodes: list[ast.stmt], prefix: str) -> None:
+        for node in nodes:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if node.name.startswith("_"):
+                continue
+            qual = f"{prefix}.{node.name}"
+            doc = ast.get_docstring(node)
+            if doc and len(doc.strip()) > 20:
+                out.append(
+                    [
+                        {"role": "user", "content": f"What does `{qual}` do?"},
+                        {"role": "assistant", "content": _first_paragraph(doc)},
+                    ]
+                )
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                source = ast.get_source_segment(module.text, node)
+                if source and 80 <= len(source) <= 1500:
+                    source = inspect.cleandoc("\n" + source) if source.startswith(" ") else source
+                    ask = f"Write a Python function named `{node.name}`"
+                    ask += f" that does this: {_first_paragraph(doc, 200)}" if doc else "."
+                    out.append([{"role": "user", "content": ask}, {"role": "assistant", "content": source}])
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, qual)
+
+    visit(tree.body, module.name)
+    return out
+
+
+def render_chat(messages: list[dict[str, str]]) -> str:
+    """The ChatML text CHAT_TEMPLATE produces for ``messages`` (kept in step by a test)."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def tokenizer_config() -> dict[str, Any]:
+    specials = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": specials,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1024,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_model(recipe: Recipe, ids: dict[str, int]) -> Any:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=recipe.vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=4 * recipe.hidden_size,  # unused: every layer is sparse
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim,
+        max_position_embeddings=1024,
+        num_experts=recipe.num_experts,
+        num_experts_per_tok=recipe.top_k,
+        moe_intermediate_size=recipe.moe_intermediate_size,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=True,
+        router_aux_loss_coef=recipe.router_aux_loss_coef,
+        output_router_logits=False,
+        bos_token_id=None,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return Qwen3MoeForCausalLM(config)
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def batches(
+    code: Any, chat: Any, chat_starts: Any, recipe: Recipe, gen: Any
+) -> Iterator[Any]:  # tensors; torch imported lazily
+    import torch
+
+    n = recipe.seq_len + 1
+    code_rows = recipe.batch_size - recipe.chat_rows
+    while True:
+        rows = []
+        starts = torch.randint(0, len(code) - n, (code_rows,), generator=gen)
+        rows += [code[s : s + n] for s in starts.tolist()]
+        picks = torch.randint(0, len(chat_starts), (recipe.chat_rows,), generator=gen)
+        for p in picks.tolist():
+            s = min(int(chat_starts[p]), len(chat) - n)
+            rows.append(chat[s : s + n])
+        yield torch.stack(rows)
+
+
+def heldout_loss(model: Any, tokens: Any, recipe: Recipe) -> tuple[float, int]:
+    """Mean next-token loss over non-overlapping seq_len windows of the held-out token stream."""
+    import torch
+
+    n = recipe.seq_len
+    windows = min(recipe.eval_windows, (len(tokens) - 1) // n)
+    total, count = 0.0, 0
+    model.eval()
+    with torch.inference_mode():
+        for i in range(0, windows, 8):
+            chunk = torch.stack([tokens[j * n : (j + 1) * n + 1] for j in range(i, min(windows, i + 8))])
+            logits = model(input_ids=chunk[:, :-1]).logits.float()
+            nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+            total += float(nll)
+            count += chunk[:, 1:].numel()
+    model.train()
+    return total / max(1, count), count
+
+
+# ---------------------------------------------------------------- output
+
+
+def heldout_text(modules: list[Module]) -> str:
+    """Whole held-out modules in name order, then lines of the next one, up to 64 KB."""
+    out: list[str] = []
+    size = 0
+    for m in modules:
+        for line in m.text.splitlines(keepends=True):
+            b = len(line.encode())
+            if size + b > HELDOUT_TXT_BYTES:
+                return "".join(out)
+            out.append(line)
+            size += b
+    return "".join(out)
+
+
+def write_atomically(final: Path, fill: Any) -> None:
+    """Build the directory beside ``final`` and swap it in only when every file is written."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # package data: readable by all, like the rest of the checkout
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        tmp.chmod(0o755)  # mkdtemp made it private
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+            os.rmdir(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("examples:") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds initialisation, data order and batches (default 0)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; the bits depend on it)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few files, few steps: a check, not a model")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    recipe = SMOKE if args.smoke else Recipe()
+    if args.steps is not None:
+        if args.steps < 1:
+            raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+        recipe = Recipe(**{**asdict(recipe), "steps": args.steps})
+    t0 = time.perf_counter()
+
+    modules = stdlib_modules(recipe.max_files)
+    train = [m for m in modules if not is_heldout(m.name)]
+    held = [m for m in modules if is_heldout(m.name)]
+    if args.smoke and not held:  # a dozen files may contain no held-out module: use the last one
+        held, train = train[-1:], train[:-1]
+    rng = random.Random(args.seed)
+    convs = [c for m in train for c in chat_examples(m)]
+    rng.shuffle(convs)
+    chat_texts = [render_chat(c) for c in convs]
+    order = list(train)
+    rng.shuffle(order)
+    print(
+        f"data: {len(train)} training modules ({sum(len(m.text) for m in train) / 1e6:.1f} MB), "
+        f"{len(held)} held out, {len(chat_texts)} chat examples",
+        flush=True,
+    )
+
+    tok = train_tokenizer([m.text for m in order] + chat_texts, recipe.vocab_size)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    eot = ids["<|endoftext|>"]
+
+    def stream(texts: list[str]) -> tuple[Any, list[int]]:
+        flat: list[int] = []
+        starts: list[int] = []
+        for enc in tok.encode_batch(texts):
+            starts.append(len(flat))
+            flat += [*enc.ids, eot]
+        return torch.tensor(flat, dtype=torch.long), starts
+
+    code, _ = stream([m.text for m in order])
+    chat, chat_starts = stream(chat_texts)
+    held_tokens, _ = stream([m.text for m in held])
+    print(
+        f"tokens: code {len(code):,}, chat {len(chat):,}, held-out {len(held_tokens):,} "
+        f"(vocab {tok.get_vocab_size()}, {time.perf_counter() - t0:.1f} s)",
+        flush=True,
+    )
+
+    torch.manual_seed(args.seed)
+    model = build_model(recipe, ids)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: {params / 1e6:.2f} M parameters, {recipe.steps} steps of {recipe.batch_size}x{recipe.seq_len}",
+        flush=True,
+    )
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    data = batches(code, chat, chat_starts, recipe, gen)
+    train_start = time.perf_counter()
+    tokens_seen = 0
+    recent: list[float] = []
+    for step in range(recipe.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        batch = next(data)
+        out = model(input_ids=batch[:, :-1], output_router_logits=True)
+        logits = out.logits.float()
+        lm = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = lm + recipe.router_aux_loss_coef * out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens_seen += batch[:, 1:].numel()
+        recent.append(float(lm.detach()))
+        recent = recent[-50:]
+        if step % 25 == 0 or step == recipe.steps - 1:
+            el = time.perf_counter() - train_start
+            print(
+                f"step {step + 1}/{recipe.steps} loss {float(lm.detach()):.3f} (avg50 {sum(recent) / len(recent):.3f}) "
+                f"lr {lr_at(step, recipe):.2e} {tokens_seen / el:,.0f} tokens/s elapsed {el:.0f} s",
+                flush=True,
+            )
+    train_seconds = time.perf_counter() - train_start
+
+    # Evaluate what ships: the bf16-rounded weights, computed in fp32.
+    model = model.to(torch.bfloat16).to(torch.float32)
+    held_loss, held_count = heldout_loss(model, held_tokens, recipe)
+    print(f"held-out: loss {held_loss:.4f}, perplexity {math.exp(held_loss):.2f} over {held_count:,} tokens")
+    report = {
+        "seed": args.seed,
+        "smoke": args.smoke,
+        "steps": recipe.steps,
+        "tokens_seen": tokens_seen,
+        "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "torch_threads": args.threads,
+        "parameters": params,
+        "train_loss_last50": round(sum(recent) / len(recent), 4),
+        "heldout_loss": round(held_loss, 4),
+        "heldout_perplexity": round(math.exp(held_loss), 3),
+        "heldout_tokens": held_count,
+        "recipe": asdict(recipe),
+        "data": {
+            "source": f"Python {sys.version.split()[0]} standard library sources (sysconfig stdlib path)",
+            "skipped": f"directories {sorted(SKIP_DIRS)}, config-*, _sysconfigdata*, files > {MAX_FILE_BYTES} bytes",
+            "heldout_rule": f"sha256(module name) % {HELDOUT_BUCKETS} == 0",
+            "train_modules": len(train),
+            "heldout_modules": [m.name for m in held],
+            "chat_examples": len(chat_texts),
+            "chat_recipe": "What does `mod.name` do? -> docstring's first paragraph; "
+            "Write a Python function named `name` [that does this: summary] -> its source",
+            "tokens": {"code": len(code), "chat": len(chat), "heldout": len(held_tokens)},
+        },
+    }
+
+    def fill(tmp: Path) -> None:
+        from transformers import GenerationConfig
+
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        GenerationConfig(
+            eos_token_id=[ids["<|im_end|>"], eot], pad_token_id=eot, do_sample=False, max_new_tokens=128
+        ).save_pretrained(tmp)
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+        (tmp / "heldout.txt").write_text(heldout_text(held))
+        (tmp / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    write_atomically(args.out, fill)
+    sizes = {f.name: f.stat().st_size for f in sorted(args.out.iterdir())}
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
+    print(f"total {sum(sizes.values()) / 1e6:.2f} MB, wall {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The embedded default model (hetmoe/assets/default_model) and the script that trains it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+
+from hetmoe.cli.main import main
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "train_default_model.py"
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "training_report.json",
+    "heldout.txt",
+)
+PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """A 4 M-parameter model gains little from intra-op threads; on a busy 2-core machine they contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    """The packaged model; a missing one fails loudly: it is part of the product, not an optional extra."""
+    from hetmoe.models.default import default_model_path
+
+    try:
+        path = default_model_path()
+    except ValueError as exc:
+        pytest.fail(f"the embedded default model is not in the package: {exc}")
+    missing = [f for f in FILES if not (path / f).is_file()]
+    if missing:
+        pytest.fail(f"{path} lacks {missing}; rebuild it with python scripts/train_default_model.py")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def test_files_are_small_and_report_is_complete(model_dir: Path) -> None:
+    total = sum(f.stat().st_size for f in model_dir.iterdir())
+    assert total < 10 * 2**20, f"{total} bytes"
+    assert (model_dir / "heldout.txt").stat().st_size <= 64 * 1024
+    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]  # no half-written build left
+    report = json.loads((model_dir / "training_report.json").read_text())
+    for key in ("seed", "steps", "tokens_seen", "train_seconds", "heldout_loss", "heldout_perplexity", "data"):
+        assert key in report, key
+    assert report["smoke"] is False
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_experts_per_tok"] == 2
+    assert 8 <= config.get("num_experts", config.get("num_local_experts", 0)) <= 16
+
+
+def test_logits_equal_transformers_forward(model_dir: Path, tokenizer) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hetmoe import load_model
+
+    text = (model_dir / "heldout.txt").read_text()[:400]
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :96]
+    ours = load_model(model_dir, method="bf16", device="cpu", dtype="float32", cpu_threads=1)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        a = ours(input_ids=ids).logits.float()
+        b = ref(input_ids=ids).logits.float()
+    rel = float((a - b).abs().max() / b.abs().max())
+    assert rel < 1e-3, rel
+
+
+def test_tokenizer_round_trips_and_renders_chatml(tokenizer) -> None:
+    for text in (
+        PROMPT + "    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+        "naïve café → ∑ 🐍\t\r\n",
+    ):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1, token
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does `len` do?"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat does `len` do?<|im_end|>\n"
+    assert rendered == want + "<|im_start|>assistant\n"
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == want
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_greedy_generation_equals_transformers(model_dir: Path, tokenizer) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hetmoe import load_model
+
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    ours = load_model(model_dir, method="bf16", device="cpu", dtype="float32", cpu_threads=1)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    options = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    got = ours.generate(ids, **options)
+    want = ref.generate(ids, **options)
+    assert got.tolist() == want.tolist()
+    completion = tokenizer.decode(got[0, ids.shape[1] :])
+    assert completion.strip(), completion  # a trained model continues a def with text, not nothing
+
+
+def test_generate_cli_uses_the_default_model(model_dir: Path, tokenizer, capsys) -> None:
+    from hetmoe import load_model
+
+    argv = ["generate", PROMPT, "--method", "int4", "--max-new-tokens", "8", "--threads", "1"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert str(model_dir) in err and "routed experts int4" in err and "tokens/s" in err
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    model = load_model(model_dir, method="int4", cpu_threads=1)
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.rstrip("\n") == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).rstrip("\n")
+
+    assert main(["generate", "--chat", "What does `len` do?", "--max-new-tokens", "4", "--threads", "1"]) == 0
+    assert "prefill: " in capsys.readouterr().err
+    assert main(["generate"]) == 1
+    assert "no prompt" in capsys.readouterr().err
+
+
+def _load_script():
+    """scripts/ is not a package: import the file by path (registered first, as dataclasses need)."""
+    if "train_default_model" in sys.modules:
+        return sys.modules["train_default_model"]
+    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_script_is_deterministic(tmp_path: Path, capsys) -> None:
+    script = _load_script()
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        out = tmp_path / name
+        assert script.main(["--smoke", "--seed", str(seed), "--threads", "1", "--out", str(out)]) == 0
+        runs[name] = out
+    log = capsys.readouterr().out
+    assert "step 4/4" in log and "tokens/s" in log and "held-out: loss" in log
+    assert sorted(p.name for p in runs["a"].iterdir()) == sorted(FILES)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # temp build dirs renamed or removed
+    for f in ("model.safetensors", "tokenizer.json", "heldout.txt"):
+        assert (runs["a"] / f).read_bytes() == (runs["b"] / f).read_bytes(), f
+    assert (runs["a"] / "model.safetensors").read_bytes() != (runs["c"] / "model.safetensors").read_bytes()
+    report = json.loads((runs["a"] / "training_report.json").read_text())
+    assert report["smoke"] is True and report["steps"] == 4 and report["seed"] == 0
+    # Writing again over an existing model replaces it whole.
+    assert script.main(["--smoke", "--seed", "1", "--threads", "1", "--out", str(runs["a"])]) == 0
+    assert (runs["a"] / "model.safetensors").read_bytes() == (runs["c"] / "model.safetensors").read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_chat_examples_render_as_the_template_does(tokenizer) -> None:
+    """The script writes chat training text by hand; it must be exactly what the shipped template renders."""
+    script = _load_script()
+    source = 'def greet(name):\n    """Say hello to NAME, politely."""\n    return "hello there, " + name\n'
+    module = script.Module("demo", source)
+    convs = script.chat_examples(module)
+    assert [c[0]["content"] for c in convs] == [
+        "What does `demo.greet` do?",
+        "Write a Python function named `greet` that does this: Say hello to NAME, politely.",
+    ]
+    for conv in convs:
+        assert script.render_chat(conv) == tokenizer.apply_chat_template(conv, tokenize=False)
