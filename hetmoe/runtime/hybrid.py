@@ -13,12 +13,19 @@ model's state-dict keys stay the checkpoint's. A forward:
 Every (token, expert) pair is computed exactly once: on the device when the expert is in the
 mask, else on the CPU. Optional: routing statistics per expert (for the ``frequency`` placement)
 and dynamic re-placement every ``replace_every`` calls (``placement.choose_swaps``).
+
+Two runtime-wide modes change step 2 (set through ``HybridRuntime``, shared by all layers):
+
+- layerwise prefill (``layerwise.py``): a forward of more than ``prefill_threshold`` tokens
+  computes every routed expert on the device, the CPU experts streamed over in chunks;
+- deferred experts (``deferred.py``): each token's lowest-scored ``defer_experts`` CPU experts are
+  submitted as a second job whose result the next MoE layer adds to its output.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -26,9 +33,14 @@ from torch import nn
 from ..formats import QuantizedTensor
 from ..models.adapters.base import MoEAdapter
 from .device_experts import DeviceExperts
+from .layerwise import compute_layer
 from .placement import choose_swaps
 from .stats import RuntimeStats
 from .torch_experts import ExpertWeights, expert_weights
+
+if TYPE_CHECKING:
+    from .deferred import DeferredExperts
+    from .layerwise import LayerwisePrefill
 
 _ENGINE_X_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -77,8 +89,13 @@ class HybridMoE(nn.Module):
         self.biases: dict[str, torch.Tensor] = {}
         self.device_experts: DeviceExperts | None = None
         self._device_mask = torch.zeros(0, dtype=torch.bool)
-        # Tokens each expert processed on the CPU side (the device side counts in DeviceExperts).
+        # Tokens each expert processed on the CPU side (the device side counts in DeviceExperts),
+        # and, in layerwise prefill, on the device from streamed weights.
         self.cpu_counts = torch.zeros(0, dtype=torch.int64)
+        self.streamed_counts = torch.zeros(0, dtype=torch.int64)
+        # Runtime-wide modes, set by HybridRuntime (None: off).
+        self.layerwise: LayerwisePrefill | None = None
+        self.deferred: DeferredExperts | None = None
         self.replace_every = 0
         self.replace_margin = 0.25
         self.replacements = 0  # experts swapped in by dynamic re-placement so far
@@ -101,6 +118,7 @@ class HybridMoE(nn.Module):
         n = cpu.experts
         self.device_experts = DeviceExperts(n, self.adapter.activation, self.device)
         self.cpu_counts = torch.zeros(n, dtype=torch.int64)
+        self.streamed_counts = torch.zeros(n, dtype=torch.int64)
         self._live = torch.zeros(n, dtype=torch.float64)
         for e in device_ids:
             self.device_experts.add(e, self._expert_weights(e))
@@ -136,42 +154,85 @@ class HybridMoE(nn.Module):
         start = time.perf_counter()
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        if self.deferred is not None:
+            self.deferred.begin(self.layer)
         weights, ids = self.adapter.route(self, x)
         with torch.no_grad():
-            # The engine's contract: CPU, contiguous, x in bf16/fp32, int64 ids, fp32 weights.
-            x_cpu = x.detach().to("cpu")
-            if x_cpu.dtype not in _ENGINE_X_DTYPES:
-                x_cpu = x_cpu.float()
-            x_cpu = x_cpu.contiguous()
             ids_cpu = ids.to(device="cpu", dtype=torch.int64).contiguous()
-            w_cpu = weights.detach().to(device="cpu", dtype=torch.float32).contiguous()
-            self._count(ids_cpu)
-            submitted = time.perf_counter()
-            handle = self.cpu.submit(x_cpu, ids_cpu, w_cpu)
-            try:
-                routed = self.device_experts.forward(x, ids, weights) if len(self.device_experts) else None
-                shared = self.adapter.shared(self, x)
-            finally:
-                # Always collect the job: the engine writes into memory owned by the pending handle.
+            if self.layerwise is not None and self.layerwise.applies(x.shape[0]):
+                out = self._forward_layerwise(x, ids, weights)
+            else:
+                out = self._forward_hybrid(x, ids, weights, ids_cpu)
+            if self.deferred is not None:
                 waiting = time.perf_counter()
-                y_cpu = self.cpu.wait(handle)
-                done = time.perf_counter()
-            out = y_cpu.to(device=x.device, dtype=x.dtype)
-            if routed is not None:
-                out = out + routed
-            if shared is not None:
-                out = out + shared
+                out = self.deferred.collect(self.layer, out)  # the previous MoE layer's deferred experts
+                blocked = time.perf_counter() - waiting
+                self.stats.timing.wait_s += blocked
+                self.stats.timing.cpu_s += blocked
         t = self.stats.timing
         t.calls += 1
         t.tokens += x.shape[0]
-        t.cpu_s += done - submitted
-        t.wait_s += done - waiting
         t.moe_s += time.perf_counter() - start
         if self.stats.record_routing:
             self.stats.record(self.layer, ids_cpu)
         self._maybe_replace(ids_cpu)
         out = out.reshape(shape)
         return (out, weights) if self.adapter.returns_router_scores else out
+
+    def _forward_hybrid(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor
+    ) -> torch.Tensor:
+        """Device experts on the device, the rest on the CPU engine (some of them deferred)."""
+        assert self.cpu is not None and self.device_experts is not None
+        # The engine's contract: CPU, contiguous, x in bf16/fp32, int64 ids, fp32 weights.
+        x_cpu = x.detach().to("cpu")
+        if x_cpu.dtype not in _ENGINE_X_DTYPES:
+            x_cpu = x_cpu.float()
+        x_cpu = x_cpu.contiguous()
+        w_cpu = weights.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        self._count(ids_cpu)
+        split = None
+        if self.deferred is not None:
+            split = self.deferred.split(self.layer, ids_cpu, w_cpu, self._device_mask)
+        submitted = time.perf_counter()
+        if split is None:
+            handle = self.cpu.submit(x_cpu, ids_cpu, w_cpu)
+        else:
+            (now_ids, now_w), (later_ids, later_w) = split
+            handle = self.cpu.submit(x_cpu, now_ids, now_w)
+            try:
+                later = self.cpu.submit(x_cpu, later_ids, later_w)  # queued behind the immediate job
+            except BaseException:
+                self.cpu.wait(handle)
+                raise
+            assert self.deferred is not None
+            self.deferred.hold(self.layer, self.cpu, later, later_ids)
+        try:
+            routed = self.device_experts.forward(x, ids, weights) if len(self.device_experts) else None
+            shared = self.adapter.shared(self, x)
+        finally:
+            # Always collect the job: the engine writes into memory owned by the pending handle.
+            waiting = time.perf_counter()
+            y_cpu = self.cpu.wait(handle)
+            done = time.perf_counter()
+        out = y_cpu.to(device=x.device, dtype=x.dtype)
+        if routed is not None:
+            out = out + routed
+        if shared is not None:
+            out = out + shared
+        t = self.stats.timing
+        t.cpu_s += done - submitted
+        t.wait_s += done - waiting
+        return out
+
+    def _forward_layerwise(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every routed expert on the device: resident ones as they are, the rest streamed over."""
+        assert self.layerwise is not None and self.device_experts is not None
+        routed = compute_layer(
+            self.layerwise, self.layer, x, ids, weights, self.device_experts, self._expert_weights, self.streamed_counts
+        )
+        shared = self.adapter.shared(self, x)
+        return routed if shared is None else routed + shared
 
     def _count(self, ids: torch.Tensor) -> None:
         flat = ids.reshape(-1)

@@ -1,7 +1,9 @@
 """HybridRuntime: the handle ``load_model`` attaches to a model as ``model.hetmoe``.
 
 It reaches every HybridMoE of the model and the shared statistics: where the experts are, how
-many bytes each side holds, the timing since the last reset, the routing statistics to save.
+many bytes each side holds, the timing since the last reset, the routing statistics to save. It
+owns the two runtime-wide modes its layers share, and can change them on a loaded model:
+layerwise prefill (``set_prefill_threshold``) and deferred experts (``set_defer_experts``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .deferred import DeferredExperts
 from .hybrid import HybridMoE
+from .layerwise import DEFAULT_CHUNK_BYTES, LayerwisePrefill
 from .stats import RuntimeStats, Timing
 
 
@@ -26,13 +30,43 @@ class HybridRuntime:
     routing_path: Path | None = None
     load_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    prefill_threshold: int | None = None
+    prefill_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    defer_experts: int = 0
+    layerwise: LayerwisePrefill | None = field(default=None, init=False)
+    deferred: DeferredExperts | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        check_modes(self.prefill_threshold, self.prefill_chunk_bytes, self.defer_experts, self.stats.top_k)
+        self.set_prefill_threshold(self.prefill_threshold, self.prefill_chunk_bytes)
+        self.set_defer_experts(self.defer_experts)
         if self.routing_path is not None:
             # Write the statistics when the process ends even if nobody calls save_routing_stats;
             # a weak reference so the handle does not keep the model alive.
             ref = weakref.ref(self)
             atexit.register(lambda: (rt := ref()) is not None and rt._save_at_exit())
+
+    def set_prefill_threshold(self, threshold: int | None, chunk_bytes: int | None = None) -> None:
+        """Layerwise prefill for forwards of more than ``threshold`` tokens (None: off), streaming
+        chunks of at most ``chunk_bytes`` dequantized bytes (see ``layerwise.py``)."""
+        chunk = self.prefill_chunk_bytes if chunk_bytes is None else chunk_bytes
+        check_modes(threshold, chunk, 0, self.stats.top_k)
+        if self.layerwise is not None:
+            self.layerwise.close()
+        self.prefill_threshold, self.prefill_chunk_bytes = threshold, chunk
+        self.layerwise = None if threshold is None else LayerwisePrefill(dict(self.layers), threshold, chunk)
+        for m in self.layers.values():
+            m.layerwise = self.layerwise
+
+    def set_defer_experts(self, k: int) -> None:
+        """Defer each token's ``k`` lowest-scored CPU experts to the next MoE layer (0: off; see ``deferred.py``)."""
+        check_modes(None, self.prefill_chunk_bytes, k, self.stats.top_k)
+        if self.deferred is not None:
+            self.deferred.close()
+        self.defer_experts = k
+        self.deferred = DeferredExperts(list(self.layers), k, self.stats.top_k, self.stats.num_experts) if k else None
+        for m in self.layers.values():
+            m.deferred = self.deferred
 
     @property
     def placement(self) -> dict[int, list[int]]:
@@ -77,7 +111,24 @@ class HybridRuntime:
         )
         if on_device:
             text += f", {on_device} of them also on {self.device} ({_size(self.device_expert_bytes)})"
+        if self.layerwise is not None:
+            text += (
+                f"; layerwise prefill above {self.prefill_threshold} tokens "
+                f"(streamed working set <= {_size(self.layerwise.working_set_bytes())})"
+            )
+        if self.deferred is not None:
+            text += f"; {self.defer_experts} deferred expert(s) per token"
         return text
+
+
+def check_modes(threshold: int | None, chunk_bytes: int, defer: int, top_k: int) -> None:
+    """A clear error for a bad layerwise-prefill or deferral setting (before anything is loaded)."""
+    if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
+        raise ValueError(f"prefill_threshold: expected None or an int >= 0 (tokens), found {threshold!r}")
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+        raise ValueError(f"prefill_chunk_bytes: expected an int >= 1 (bytes), found {chunk_bytes!r}")
+    if not isinstance(defer, int) or isinstance(defer, bool) or not 0 <= defer < top_k:
+        raise ValueError(f"defer_experts: expected an int in [0, {top_k - 1}] (below top_k={top_k}), found {defer!r}")
 
 
 def _size(n: int) -> str:
