@@ -1,4 +1,4 @@
-// The Python module hetmoe._C: CPU features, ISA selection, the thread pool and MoEEngine.
+// The Python module hetmoe._C: CPU features, ISA selection, the thread pool, MoEEngine and LinearEngine.
 // Tensors cross as integer data pointers; hetmoe/kernels/engine.py validates every shape, dtype
 // and stride before calling in, so nothing here trusts Python blindly and nothing links libtorch.
 #include <pybind11/pybind11.h>
@@ -9,6 +9,7 @@
 
 #include "cpu_features.h"
 #include "kernels.h"
+#include "linear_engine.h"
 #include "measure.h"
 #include "moe_engine.h"
 
@@ -84,6 +85,12 @@ Proj proj_from(const py::tuple& t) {
     throw py::value_error("GGUF K-quant / IQ4_XS rows must hold whole 256-weight superblocks");
   if (p.method != kBF16 && !gguf_native && !p.s) throw py::value_error("this method needs scales");
   return p;
+}
+
+void check_linear_call(int x_dtype, int tokens, int y_dtype) {
+  if (x_dtype != kF32 && x_dtype != kBF16Data) throw py::value_error("x_dtype must be 0 (fp32) or 1 (bf16)");
+  if (y_dtype != kF32 && y_dtype != kBF16Data) throw py::value_error("y_dtype must be 0 (fp32) or 1 (bf16)");
+  if (tokens < 0) throw py::value_error("tokens must be >= 0");
 }
 
 }  // namespace
@@ -174,4 +181,45 @@ PYBIND11_MODULE(_C, m) {
           py::arg("handle"))
       .def_property_readonly("pending", &MoEEngine::pending)
       .def_property_readonly("isa", [](const MoEEngine& e) { return std::string(e.kernels()->name); });
+
+  py::class_<LinearEngine>(m, "LinearEngine")
+      .def(py::init([](const py::tuple& weight, uintptr_t bias, int gemv_max_tokens) {
+             if (!g_selected) throw py::value_error("select_isa() must be called first");
+             if (gemv_max_tokens < 0) throw py::value_error("gemv_max_tokens must be >= 0");
+             return new LinearEngine(proj_from(weight), reinterpret_cast<const float*>(bias), g_selected,
+                                     gemv_max_tokens);
+           }),
+           py::arg("weight"), py::arg("bias") = 0, py::arg("gemv_max_tokens") = 4)
+      .def(
+          "submit",
+          [](LinearEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t y, int y_dtype) {
+            check_linear_call(x_dtype, tokens, y_dtype);
+            py::gil_scoped_release release;
+            return e.submit(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<void*>(y), y_dtype);
+          },
+          py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("y"), py::arg("y_dtype"))
+      .def(
+          "forward",
+          [](LinearEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t y, int y_dtype) {
+            check_linear_call(x_dtype, tokens, y_dtype);
+            py::gil_scoped_release release;
+            e.wait(e.submit(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<void*>(y), y_dtype));
+          },
+          py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("y"), py::arg("y_dtype"),
+          "submit and wait in one call, the GIL released throughout")
+      .def(
+          "wait",
+          [](LinearEngine& e, int64_t handle) {
+            bool ok;
+            {
+              py::gil_scoped_release release;
+              ok = e.wait(handle);
+            }
+            if (!ok) throw py::value_error("handle " + std::to_string(handle) + " is not pending (already waited on?)");
+          },
+          py::arg("handle"))
+      .def_property_readonly("pending", &LinearEngine::pending)
+      .def_property_readonly("out_features", &LinearEngine::rows)
+      .def_property_readonly("in_features", &LinearEngine::cols)
+      .def_property_readonly("isa", [](const LinearEngine& e) { return std::string(e.kernels()->name); });
 }

@@ -11,79 +11,18 @@
 namespace hetmoe {
 namespace {
 
-template <typename T>
-std::unique_ptr<T[]> uninit(size_t n) {
-  return std::unique_ptr<T[]>(new T[n > 0 ? n : 1]);
-}
-
-// The activation layout each method's GEMV kernel reads (Act in kernels.h).
-int act_quant_for(int method) {
-  switch (method) {
-    case kInt4:
-    case kMXFP4: return kActPairs;
-    case kInt8:
-    case kQ4K:
-    case kQ6K:
-    case kQ5K:
-    case kIQ4XS:
-    case kQ4_0:
-    case kQ8_0:
-    case kIQ4NL: return kActNatural;
-    default: return kActNone;
-  }
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+using engine::act_quant_for;
+using engine::ActBuffers;
+using engine::f32_to_bf16;
+using engine::item_rows;
+using engine::sized;
+using engine::uninit;
 
 // Per-worker scratch for the GEMM path (dequantized panels, the up-projection block).
 struct Scratch {
   std::vector<float> panel_a, panel_b, block;
 };
 thread_local Scratch tl_scratch;
-
-float* sized(std::vector<float>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-
-// Activation rows in the layout a method's GEMV kernel wants.
-struct ActBuffers {
-  int K = 0, mode = kActNone;
-  std::unique_ptr<int16_t[]> q;
-  std::unique_ptr<float[]> d;
-  std::unique_ptr<int32_t[]> sum;
-
-  void allocate(int rows, int k, int m) {
-    K = k;
-    mode = m;
-    if (mode == kActNone) return;
-    q = uninit<int16_t>(size_t(rows) * K);
-    d = uninit<float>(size_t(rows) * (K / kActBlock));
-    sum = uninit<int32_t>(size_t(rows) * (K / kActBlock));
-  }
-  void quantize(const KernelTable* kt, const float* row, int r) {
-    if (mode == kActNone) return;
-    const size_t nb = K / kActBlock;
-    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * nb);
-  }
-  Act act(const float* row, int r) const {
-    Act a;
-    a.f = row;
-    if (mode != kActNone) {
-      const size_t nb = K / kActBlock;
-      a.q = q.get() + size_t(r) * K;
-      a.d = d.get() + r * nb;
-      a.sum = sum.get() + r * nb;
-    }
-    return a;
-  }
-};
 
 class MoEJob final : public Job {
  public:
@@ -184,16 +123,6 @@ class MoEJob final : public Job {
       else
         kt_->silu_mul(gi, ui, gi, R);
     }
-  }
-
-  // Rows of a projection one work item covers: whole panels, and enough bytes (~32 KiB) that the
-  // cost of claiming an item stays small next to streaming it (decode items are pure streaming).
-  static int item_rows(const Proj& p, int n) {
-    static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625, 5.5, 4.25, 4.5, 8.5, 4.5};
-    const double row_bytes = p.k * kBitsPerWeight[p.method] / 8;
-    int panels = static_cast<int>(32768 / (row_bytes * kPanelRows));
-    panels = std::max(1, std::min(panels, 8));
-    return std::min(panels * kPanelRows, ((n + kPanelRows - 1) / kPanelRows) * kPanelRows);
   }
 
   void gate_up(int item) {
@@ -346,32 +275,18 @@ int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t*
                           const float* weights, void* y, const uint8_t* skip_mask) {
   auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, x, x_dtype, tokens, ids,
                                       topk, weights, y, skip_mask);
-  int64_t handle;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    handle = next_handle_++;
-    jobs_[handle] = job;
-  }
-  global_pool().submit(job);
+  const int64_t handle = jobs_.add(job);
+  global_pool().submit(std::move(job));
   return handle;
 }
 
 bool MoEEngine::wait(int64_t handle) {
-  std::shared_ptr<Job> job;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(handle);
-    if (it == jobs_.end()) return false;
-    job = it->second;
-    jobs_.erase(it);
-  }
+  std::shared_ptr<Job> job = jobs_.take(handle);
+  if (!job) return false;
   job->wait();
   return true;
 }
 
-int MoEEngine::pending() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int>(jobs_.size());
-}
+int MoEEngine::pending() const { return jobs_.size(); }
 
 }  // namespace hetmoe

@@ -1,16 +1,12 @@
 // One MoE layer's routed experts on the CPU: routing, the phases of a forward, async jobs.
 #pragma once
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
 
+#include "engine_common.h"
 #include "kernels.h"
 #include "thread_pool.h"
 
 namespace hetmoe {
-
-enum DType : int { kF32 = 0, kBF16Data = 1 };
 
 enum ActKind : int { kSiluMul = 0, kSwigluOAI = 1 };
 
@@ -45,9 +41,7 @@ class MoEEngine {
   ActConfig act_;
   const KernelTable* kt_;
   int gemv_max_;
-  mutable std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<Job>> jobs_;
-  int64_t next_handle_ = 1;
+  engine::PendingJobs jobs_;
 };
 
 // The process-wide pool all engines share; created on first use.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..bench.moe import DEFAULT_TOKENS, BenchConfig, format_table, plot_roofline, run_bench, write_json
 from ..models.shapes import SHAPES
@@ -22,7 +23,9 @@ def _csv(kind: type) -> object:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: 'hetmoe bench moe' times one MoE layer's experts")
+    p = sub.add_parser(
+        "bench", help="benchmarks: 'hetmoe bench moe' times one MoE layer's experts, 'hetmoe bench model' a whole model"
+    )
     bsub = p.add_subparsers(dest="bench", metavar="WHAT")
     m = bsub.add_parser(
         "moe",
@@ -52,7 +55,80 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--json", metavar="FILE", help="write the records as JSON")
     m.add_argument("--plot", metavar="FILE.png", help="draw the roofline picture (needs matplotlib)")
     m.set_defaults(run=run)
+    _add_model_parser(bsub)
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
+
+
+def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
+    from ..bench.model import DEFAULT_VARIANTS
+    from ..bench.model_build import DEFAULT_CACHE
+
+    m = bsub.add_parser(
+        "model",
+        help="a whole Qwen3-30B-A3B-shaped model on the CPU: decode and prefill tokens/s, time per part",
+        description=(
+            "Builds (once, into --cache-dir) a random Qwen3-MoE with Qwen3-30B-A3B's layer shape and --layers "
+            "layers, loads it CPU-only per VARIANT (EXPERTS/DENSE: the experts' engine method, and the dense "
+            "layers' engine method or 'torch' for torch bf16 Linears) and measures decode tokens/s after --context "
+            "prompt tokens and prefill tokens/s, the time split over attention linears, attention core, router, "
+            "CPU experts, lm_head and the rest, and the same parts each run alone. Prints a table with "
+            "llama.cpp's figures for this model as reference; --json writes every number."
+        ),
+        epilog=(
+            "examples:\n"
+            "  hetmoe bench model --threads 2 --json docs/bench-model.json\n"
+            "  hetmoe bench model --variants int4/int8 --torch-threads 1,2 --repeats 1 --steps 8\n"
+            "  hetmoe bench model --layers 2 --variants bf16/bf16,gguf:q4_0/gguf:q4_0"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument(
+        "--variants",
+        type=_csv(str),
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated EXPERTS/DENSE (default {','.join(DEFAULT_VARIANTS)})",
+    )
+    m.add_argument("--threads", type=int, default=0, help="engine threads (default: all usable CPUs)")
+    m.add_argument("--torch-threads", type=_csv(int), default=(1,), help="torch intra-op threads to try (default 1)")
+    m.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    m.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default 128)")
+    m.add_argument("--steps", type=int, default=32, help="decode steps per repeat (default 32)")
+    m.add_argument("--prefill", type=_csv(int), default=(128, 512), help="prefill token counts (default 128,512)")
+    m.add_argument("--repeats", type=int, default=3, help="repeats per measurement (default 3)")
+    m.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where models are built (default {DEFAULT_CACHE})"
+    )
+    m.add_argument("--isa", default="auto", help="kernel variant: auto, avx2, avx512, amx")
+    m.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    m.set_defaults(run=run_model)
+
+
+def run_model(args: argparse.Namespace) -> int:
+    from ..bench import model as bench_model
+    from ..bench.model_build import ModelShape
+
+    for name in ("layers", "context", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.threads < 0 or any(t < 1 for t in args.prefill):
+        raise ValueError("--threads must be >= 0 and every --prefill count >= 1")
+    cfg = bench_model.ModelBenchConfig(
+        shape=ModelShape(layers=args.layers),
+        variants=args.variants,
+        threads=args.threads,
+        torch_threads=args.torch_threads,
+        context=args.context,
+        steps=args.steps,
+        prefill=args.prefill,
+        repeats=args.repeats,
+        cache_dir=args.cache_dir,
+        isa=args.isa,
+    )
+    result = bench_model.run_bench(cfg, log=lambda line: print(line, file=sys.stderr))
+    print(bench_model.format_table(result))
+    if args.json:
+        bench_model.write_json(result, args.json)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,133 @@
+// What the engines built on the kernel table share (MoEEngine in moe_engine.cpp, LinearEngine in
+// linear_engine.cpp): activation buffers in the layout each method's GEMV reads, the work-item
+// size rule, bf16 rounding, and the table of pending jobs behind submit/wait handles.
+//
+// Compiled with the baseline flags only (never included by an ISA unit), so these inline
+// definitions are the same in every translation unit that includes them.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace hetmoe {
+
+enum DType : int { kF32 = 0, kBF16Data = 1 };
+
+namespace engine {
+
+template <typename T>
+std::unique_ptr<T[]> uninit(size_t n) {
+  return std::unique_ptr<T[]>(new T[n > 0 ? n : 1]);
+}
+
+inline float* sized(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// The activation layout each method's GEMV kernel reads (Act in kernels.h).
+inline int act_quant_for(int method) {
+  switch (method) {
+    case kInt4:
+    case kMXFP4: return kActPairs;
+    case kInt8:
+    case kQ4K:
+    case kQ6K:
+    case kQ5K:
+    case kIQ4XS:
+    case kQ4_0:
+    case kQ8_0:
+    case kIQ4NL: return kActNatural;
+    default: return kActNone;
+  }
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Rows of a projection one work item covers: whole panels, and enough bytes (~32 KiB) that the
+// cost of claiming an item stays small next to streaming it (decode items are pure streaming).
+inline int item_rows(const Proj& p, int n) {
+  static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625, 5.5, 4.25, 4.5, 8.5, 4.5};
+  const double row_bytes = p.k * kBitsPerWeight[p.method] / 8;
+  int panels = static_cast<int>(32768 / (row_bytes * kPanelRows));
+  panels = std::max(1, std::min(panels, 8));
+  return std::min(panels * kPanelRows, ((n + kPanelRows - 1) / kPanelRows) * kPanelRows);
+}
+
+// Activation rows in the layout a method's GEMV kernel wants.
+struct ActBuffers {
+  int K = 0, mode = kActNone;
+  std::unique_ptr<int16_t[]> q;
+  std::unique_ptr<float[]> d;
+  std::unique_ptr<int32_t[]> sum;
+
+  void allocate(int rows, int k, int m) {
+    K = k;
+    mode = m;
+    if (mode == kActNone) return;
+    q = uninit<int16_t>(size_t(rows) * K);
+    d = uninit<float>(size_t(rows) * (K / kActBlock));
+    sum = uninit<int32_t>(size_t(rows) * (K / kActBlock));
+  }
+  void quantize(const KernelTable* kt, const float* row, int r) {
+    if (mode == kActNone) return;
+    const size_t nb = K / kActBlock;
+    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * nb);
+  }
+  Act act(const float* row, int r) const {
+    Act a;
+    a.f = row;
+    if (mode != kActNone) {
+      const size_t nb = K / kActBlock;
+      a.q = q.get() + size_t(r) * K;
+      a.d = d.get() + r * nb;
+      a.sum = sum.get() + r * nb;
+    }
+    return a;
+  }
+};
+
+// Jobs submitted by one engine and not yet waited on, by handle.
+class PendingJobs {
+ public:
+  int64_t add(std::shared_ptr<Job> job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t handle = next_++;
+    jobs_[handle] = std::move(job);
+    return handle;
+  }
+  // The job for `handle`, removed from the table; nullptr if it is not pending.
+  std::shared_ptr<Job> take(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(handle);
+    if (it == jobs_.end()) return nullptr;
+    std::shared_ptr<Job> job = std::move(it->second);
+    jobs_.erase(it);
+    return job;
+  }
+  int size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int>(jobs_.size());
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<Job>> jobs_;
+  int64_t next_ = 1;
+};
+
+}  // namespace engine
+}  // namespace hetmoe

@@ -1,0 +1,141 @@
+#include "linear_engine.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "moe_engine.h"  // global_pool()
+
+namespace hetmoe {
+namespace {
+
+using engine::act_quant_for;
+using engine::ActBuffers;
+using engine::f32_to_bf16;
+using engine::item_rows;
+using engine::sized;
+using engine::uninit;
+
+// Per-worker scratch: one dequantized panel and the item's output block before the epilogue.
+struct LinearScratch {
+  std::vector<float> panel, block;
+};
+thread_local LinearScratch tl_linear;
+
+class LinearJob final : public Job {
+ public:
+  LinearJob(const Proj& w, const float* bias, const KernelTable* kt, int gemv_max, const void* x, int x_dtype, int T,
+            void* y, int y_dtype, int threads)
+      : w_(w), bias_(bias), kt_(kt), x_(x), x_dtype_(x_dtype), y_(y), y_dtype_(y_dtype), T_(T),
+        gemv_(T <= gemv_max) {
+    N_ = w.n;
+    K_ = w.k;
+    rows_ = item_rows(w, N_);
+    row_items_ = (N_ + rows_ - 1) / rows_;
+    // Few row items (a small N) leave workers idle: split the tokens as well. Each token chunk
+    // dequantizes its panels again, so only as many chunks as the pool needs, and never chunks of
+    // fewer than one GEMM register block's worth of tokens.
+    token_chunk_ = std::max(T, 1);
+    if (!gemv_ && row_items_ < 2 * threads) {
+      const int chunks = std::min((2 * threads + row_items_ - 1) / row_items_, std::max(1, T / 8));
+      token_chunk_ = (T + chunks - 1) / chunks;
+    }
+    token_items_ = T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0;
+    if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
+    if (gemv_) x_act_.allocate(T, K_, act_quant_for(w.method));  // the GEMM path reads fp32 rows
+  }
+
+  Phase next_phase(int index) override {
+    switch (index) {
+      case 0:  // activations to fp32, and to int16 blocks for integer GEMV kernels; one token an item
+        return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare(t); }};
+      case 1:  // output rows (and token chunks) as independent items
+        return {row_items_ * token_items_, [this](int i, int) { compute(i); }};
+      default:
+        return {};
+    }
+  }
+
+ private:
+  const float* x_row(int t) const {
+    return x_dtype_ == kBF16Data ? xf_.get() + size_t(t) * K_ : static_cast<const float*>(x_) + size_t(t) * K_;
+  }
+
+  void prepare(int t) {
+    if (x_dtype_ == kBF16Data)
+      kt_->bf16_to_f32(static_cast<const uint16_t*>(x_) + size_t(t) * K_, xf_.get() + size_t(t) * K_, K_);
+    x_act_.quantize(kt_, x_row(t), t);
+  }
+
+  // Item i: rows [first, last) for tokens [t0, t1), into a scratch block [t1 - t0, rows_], then the
+  // epilogue (bias, conversion) into y.
+  void compute(int item) {
+    const int first = (item % row_items_) * rows_, last = std::min(N_, first + rows_);
+    const int t0 = (item / row_items_) * token_chunk_, t1 = std::min(T_, t0 + token_chunk_);
+    const int nt = t1 - t0, R = last - first;
+    float* block = sized(tl_linear.block, size_t(std::max(nt, kGemvTokens)) * rows_);
+    if (gemv_) {
+      for (int a = 0; a < nt; a += kGemvTokens) {
+        const int n = std::min(kGemvTokens, nt - a);
+        Act acts[kGemvTokens];
+        for (int i = 0; i < n; ++i) acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
+        kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
+      }
+    } else {
+      std::vector<const float*> rows(nt);
+      for (int i = 0; i < nt; ++i) rows[i] = x_row(t0 + i);
+      float* panel = sized(tl_linear.panel, size_t(kPanelRows) * K_);
+      for (int n0 = first; n0 < last; n0 += kPanelRows) {
+        const int n1 = std::min(last, n0 + kPanelRows);
+        kt_->dequant_rows[w_.method](w_, 0, n0, n1, panel);
+        kt_->gemm_panel(panel, n1 - n0, K_, rows.data(), nt, block + (n0 - first), rows_);
+      }
+    }
+    for (int i = 0; i < nt; ++i) {
+      const float* src = block + size_t(i) * rows_;
+      const size_t out = size_t(t0 + i) * N_ + first;
+      if (y_dtype_ == kBF16Data) {
+        uint16_t* dst = static_cast<uint16_t*>(y_) + out;
+        for (int r = 0; r < R; ++r) dst[r] = f32_to_bf16(bias_ ? src[r] + bias_[first + r] : src[r]);
+      } else {
+        float* dst = static_cast<float*>(y_) + out;
+        for (int r = 0; r < R; ++r) dst[r] = bias_ ? src[r] + bias_[first + r] : src[r];
+      }
+    }
+  }
+
+  Proj w_;
+  const float* bias_;
+  const KernelTable* kt_;
+  const void* x_;
+  int x_dtype_;
+  void* y_;
+  int y_dtype_, T_;
+  bool gemv_;
+  int N_ = 0, K_ = 0, rows_ = kPanelRows, row_items_ = 0, token_chunk_ = 1, token_items_ = 0;
+  std::unique_ptr<float[]> xf_;
+  ActBuffers x_act_;
+};
+
+}  // namespace
+
+LinearEngine::LinearEngine(const Proj& weight, const float* bias, const KernelTable* kernels, int gemv_max_tokens)
+    : w_(weight), bias_(bias), kt_(kernels), gemv_max_(gemv_max_tokens) {}
+
+int64_t LinearEngine::submit(const void* x, int x_dtype, int tokens, void* y, int y_dtype) {
+  ThreadPool& pool = global_pool();
+  auto job = std::make_shared<LinearJob>(w_, bias_, kt_, gemv_max_, x, x_dtype, tokens, y, y_dtype, pool.threads());
+  const int64_t handle = jobs_.add(job);
+  pool.submit(std::move(job));
+  return handle;
+}
+
+bool LinearEngine::wait(int64_t handle) {
+  std::shared_ptr<Job> job = jobs_.take(handle);
+  if (!job) return false;
+  job->wait();
+  return true;
+}
+
+int LinearEngine::pending() const { return jobs_.size(); }
+
+}  // namespace hetmoe

@@ -1,0 +1,197 @@
+"""CPULinear (a dense y = x W^T + b in the CPU engine) against pure torch on the same stored bytes,
+and load_model(dense_method=...) against the plain load.
+
+Bounds (relative L2 error against ``x @ dequantize(W).T + b`` in float64), the engine's own per-method
+bounds of tests/test_engine.py: fp32 activations 1e-5 for bf16/fp8 weights (fp32 math) and 3e-4 for
+the integer formats, whose GEMV path quantizes activations to int16 per block of 32; bf16 activations
+and output 5e-3 (one bf16 rounding of the output is ~2e-3).
+"""
+
+import math
+
+import pytest
+import torch
+
+from hetmoe.formats import QuantizedTensor, get_codec, snr_db
+from hetmoe.kernels import select_isa
+from hetmoe.kernels.dispatch import engine_module
+from hetmoe.runtime.cpu_linear import CPULinear
+
+N, K = 200, 640  # N is not a multiple of the 24-row panels (tails exercised); K a multiple of 128
+FP32_BOUND = {"bf16": 1e-5, "fp8": 1e-5, "fp8-channel": 1e-5}
+INT_BOUND = 3e-4
+BF16_BOUND = 5e-3
+METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel", "gguf:q4_0", "gguf:q8_0")
+TOKENS = (1, 3, 7, 64, 300)
+
+
+def _isas() -> list[str]:
+    feats = engine_module().cpu_features()
+    return [isa for isa in ("avx2", "avx512") if feats[f"can_{isa}"]]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    select_isa("auto")
+
+
+@pytest.fixture(scope="module")
+def weight() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g)
+
+
+def _params(method: str) -> dict:
+    return {"group_size": 64} if method in ("int4", "int4-asym", "gptq") else {}
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("method", METHODS)
+def test_matches_dequantized_reference(weight, method: str, isa: str) -> None:
+    select_isa(isa)
+    w, b = weight
+    q = get_codec(method, **_params(method)).quantize(w)
+    deq = get_codec(method, **_params(method)).dequantize(q, torch.float32).double()  # pure torch, same bytes
+    lin = CPULinear(q, b)
+    plain = CPULinear(q)
+    assert lin.isa == isa and (lin.in_features, lin.out_features, lin.method) == (K, N, method)
+    gen = torch.Generator().manual_seed(1)
+    for t in TOKENS:
+        x = torch.randn(t, K, generator=gen)
+        ref = x.double() @ deq.T
+        assert _rel(plain(x), ref) < FP32_BOUND.get(method, INT_BOUND), (t, "no bias")
+        y = lin(x)
+        assert y.dtype == torch.float32 and y.shape == (t, N)
+        assert _rel(y, ref + b.double()) < FP32_BOUND.get(method, INT_BOUND), t
+        xb = x.bfloat16()
+        yb = lin(xb)
+        assert yb.dtype == torch.bfloat16
+        assert _rel(yb, xb.double() @ deq.T + b.double()) < BF16_BOUND, (t, "bf16")
+
+
+def test_gemv_and_gemm_paths_agree_and_leading_dims(weight) -> None:
+    """7 tokens through the GEMV path (two groups of <= 4) and the GEMM path give the same answer;
+    x [2, 5, K] keeps its leading dims; fp16 is computed in fp32; zero tokens give an empty result."""
+    w, b = weight
+    q = get_codec("int8").quantize(w)
+    gemv, gemm = CPULinear(q, b, gemv_max_tokens=8), CPULinear(q, b, gemv_max_tokens=0)
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ gemv.dequantized().double().T + b.double()
+    assert _rel(gemv(x), ref) < INT_BOUND and _rel(gemm(x), ref) < 1e-5
+    x3 = x[:6].reshape(2, 3, K)
+    assert torch.equal(gemm(x3), gemm(x[:6]).reshape(2, 3, N))
+    y16 = gemm(x.half())
+    assert y16.dtype == torch.float16 and _rel(y16, ref) < 2e-3
+    assert gemm(torch.empty(0, K)).shape == (0, N)
+
+
+def test_few_rows_split_the_tokens_too() -> None:
+    """30 output rows make one work item; the prefill then splits its tokens across the workers."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(30, K, generator=g) * 0.05, torch.randn(30, generator=g)
+    lin = CPULinear(w, b, "int8")
+    for t in (5, 64, 301):
+        x = torch.randn(t, K, generator=g)
+        assert _rel(lin(x), x.double() @ lin.dequantized().double().T + b.double()) < 1e-5, t
+
+
+def test_float_weight_is_quantized_and_async_matches(weight) -> None:
+    w, b = weight
+    lin = CPULinear(w, b, "int4", group_size=32)
+    expected = get_codec("int4", group_size=32).quantize(w)
+    assert torch.equal(lin.weight_q.tensors[".weight"], expected.tensors[".weight"])
+    assert lin.nbytes == expected.nbytes + 4 * N
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(3))
+    handle = lin.submit(x)
+    assert torch.equal(lin.wait(handle), lin(x))
+    with pytest.raises(ValueError, match="not pending"):
+        lin.wait(handle)
+
+
+def test_bad_calls_are_value_errors(weight) -> None:
+    w, b = weight
+    lin = CPULinear(w, b, "int8")
+    with pytest.raises(ValueError, match=rf"x: expected shape \[\.\.\., {K}\], found \[3, 64\]"):
+        lin(torch.zeros(3, 64))
+    with pytest.raises(ValueError, match="x: expected dtype"):
+        lin(torch.zeros(3, K, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expected a CPU tensor"):
+        lin(torch.zeros(3, K, device="meta"))
+    with pytest.raises(ValueError, match=r"x: expected a torch\.Tensor"):
+        lin([[0.0] * K])
+    with pytest.raises(ValueError, match="inference-only"):
+        lin(torch.zeros(3, K, requires_grad=True))
+    with pytest.raises(ValueError, match=r"bias: expected a tensor \[200\]"):
+        CPULinear(w, torch.zeros(N + 1), "int8")
+    with pytest.raises(ValueError, match="2-D weight"):
+        CPULinear(w.unsqueeze(0), None, "int8")
+    with pytest.raises(ValueError, match="method"):
+        CPULinear(w, None, "int3")
+    with pytest.raises(ValueError, match="in method 'int4'"):
+        CPULinear(get_codec("int8").quantize(w), None, "int4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        CPULinear(torch.randn(8, 48), None, "bf16")
+    q = get_codec("int8").quantize(w)
+    broken = QuantizedTensor("int8", q.shape, {".weight": q.tensors[".weight"]}, q.params)  # no scales
+    with pytest.raises(ValueError, match="weight_scale"):
+        CPULinear(broken)
+
+
+# --- load_model(dense_method=...) -------------------------------------------------------------
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def test_load_model_dense_int8_close_to_bf16_and_generates(tiny_cache) -> None:
+    """int8 dense layers: every non-expert Linear but the router becomes a CPULinear, and the logits
+    stay within a bound derived from the codec's SNR: each quantized Linear adds a relative error
+    of about 10^(-SNR/20) to its output; about nine of them lie on a token's path (q, k, v, o and
+    the shared/dense MLPs per layer, the lm_head), adding up to sqrt(9) = 3 times that when
+    independent, so 4 times it is the bound (measured: ~1.5 times)."""
+    from hetmoe import load_model
+
+    path = tiny_cache.model("qwen3_moe")
+    ref = load_model(path)
+    model = load_model(path, dense_method="int8")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, CPULinear)}
+    expected = {n for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(linears) == expected and "lm_head" in linears
+    assert all(m.method == "int8" for m in linears.values())
+    ref_modules = dict(ref.named_modules())
+    snr = min(snr_db(ref_modules[n].weight.float(), m.dequantized()) for n, m in linears.items())
+    assert 30 < snr < 60  # int8 per-row scales on these weights: the codec is doing its job
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected_logits = _logits(ref, ids)
+    err = _rel(_logits(model, ids), expected_logits.double())
+    assert err < 4 * 10 ** (-snr / 20), (err, snr)
+    # bf16 in the engine computes what torch's bf16 Linear does, up to output rounding.
+    assert _rel(_logits(load_model(path, dense_method="bf16"), ids), expected_logits.double()) < BF16_BOUND
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 16)
+
+
+def test_load_model_dense_keeps_what_the_engine_cannot_run(tiny_cache) -> None:
+    """Qwen2-MoE: the shared expert's down_proj (input 48) stays in torch and is named in the notes;
+    the router and the shared-expert gate are never converted."""
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen2_moe"), dense_method="int4", dense_group_size=32)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear | CPULinear)}
+    assert kinds["model.layers.0.mlp.shared_expert.down_proj"] == "Linear"
+    assert kinds["model.layers.0.mlp.shared_expert_gate"] == "Linear"
+    assert kinds["model.layers.0.self_attn.q_proj"] == "CPULinear"
+    assert any("in_features 48 is not a multiple of 32" in n for n in model.hetmoe.notes)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert math.isfinite(float(_logits(model, ids).sum()))
+    with pytest.raises(ValueError, match="dense_method"):
+        load_model(tiny_cache.model("qwen2_moe"), dense_method="int3")
+    with pytest.raises(ValueError, match="needs device='cpu'"):
+        load_model(tiny_cache.model("qwen2_moe"), device="meta", dense_method="int8")
