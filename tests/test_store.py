@@ -277,3 +277,17 @@ def test_bad_manifest_is_a_clear_error(store: Path, tmp_path: Path, text: str, m
     (d / MANIFEST).write_text(text)
     with pytest.raises(CheckpointError, match=message):
         open_source(d)
+
+
+def test_atomic_writes_get_the_usual_file_mode(tmp_path: Path) -> None:
+    """Not mkstemp's 0600: a checkpoint written by hetmoe is readable like any file the user makes."""
+    import os
+
+    from hetmoe.checkpoint.atomic import write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_text_atomic(tmp_path / "a.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644

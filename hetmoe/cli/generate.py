@@ -1,5 +1,8 @@
 """``hetmoe generate``: one prompt through a model with its routed experts in the CPU engine.
 
+With one positional argument that is not a directory, the prompt goes to the embedded default
+model (``hetmoe.models.default``), so a fresh clone generates without a download.
+
 Tokens stream to stdout as they are produced; then stderr gets the prefill and decode speeds and
 where the time went: the MoE layers' CPU-expert time (from submit to result, measured inside each
 HybridMoE), the part of it the caller spent blocked waiting for the CPU, and everything else
@@ -14,10 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-NO_DEFAULT_MODEL = (
-    "no model given, and no default model ships with hetmoe yet: pass a model directory, e.g. "
-    'hetmoe generate /models/Qwen3-30B-A3B "Hello"'
-)
+NO_PROMPT = 'no prompt: hetmoe generate "your prompt" (the embedded default model) or hetmoe generate MODEL "prompt"'
+CPU_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel")
+
+
+def _method(text: str) -> str:
+    if text in CPU_METHODS or (text.startswith("gguf:") and len(text) > 5):
+        return text
+    choices = ", ".join(CPU_METHODS)
+    raise argparse.ArgumentTypeError(f"expected one of {choices} or a GGUF type (gguf:q4_0), got {text!r}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,24 +33,57 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from a prompt, experts on the CPU; prints tokens/s and where time went",
         description=(
-            "Loads MODEL (a transformers MoE checkpoint directory) with its routed experts in the CPU engine "
-            "(stored precision, or --method to convert while loading), everything else on --device, and streams "
-            "the continuation of PROMPT. Afterwards it prints prefill and decode tokens/s and the split of the "
-            "time between CPU experts and the rest."
+            "Loads MODEL (a transformers MoE checkpoint directory; without it, the small default model that "
+            "ships inside hetmoe) with its routed experts in the CPU engine (stored precision, or --method to "
+            "convert while loading), everything else on --device, and streams the continuation of PROMPT "
+            "(with --chat: the reply to PROMPT as a user message, through the tokenizer's chat template). "
+            "Afterwards it prints prefill and decode tokens/s and the split of the time between CPU experts and "
+            "the rest."
         ),
         epilog=(
             "examples:\n"
+            '  hetmoe generate "def fibonacci(n):"                      # the embedded default model\n'
+            '  hetmoe generate --method int4 --chat "What does `json.dumps` do?"\n'
             '  hetmoe generate /models/Qwen3-30B-A3B "The capital of France is"\n'
             '  hetmoe generate /models/DeepSeek-V3 "Hi" --method int4 --device cuda --gpu-experts 8\n'
+            '  hetmoe generate /models/Qwen3-30B-A3B "Hi" --method int4 --dense-method int8 --threads 2\n'
+            '  hetmoe generate /models/Qwen3-30B-A3B "$(cat long.txt)" --device cuda --prefill-threshold 512 '
+            "--defer-experts 1\n"
             '  hetmoe generate ./tiny "abc" --max-new-tokens 16 --temperature 0.7 --top-p 0.9 --seed 1'
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory (safetensors + config + tokenizer)")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory (default: the embedded model)")
     p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the text to continue")
-    p.add_argument("--method", choices=("bf16", "int8", "int4"), help="convert experts to this CPU method on load")
+    p.add_argument(
+        "--method",
+        type=_method,
+        metavar="METHOD",
+        help=f"convert experts to this CPU method on load ({', '.join(CPU_METHODS)}, gguf:TYPE)",
+    )
+    p.add_argument(
+        "--dense-method",
+        type=_method,
+        metavar="METHOD",
+        help="CPU only: attention, dense MLPs, shared experts and lm_head in the CPU engine in this method (int8, ...)",
+    )
+    p.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
+    p.add_argument(
+        "--prefill-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts of more than N tokens: stream each layer's CPU experts to --device and compute them there",
+    )
+    p.add_argument(
+        "--defer-experts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="each token's K lowest-scored CPU experts finish during the next MoE layer (approximate; default 0)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --temperature > 0)")
@@ -54,12 +95,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model is None:
-        raise ValueError(NO_DEFAULT_MODEL)
-    model = Path(args.model)
+        raise ValueError(NO_PROMPT)
     if args.prompt is None:
-        if not model.exists():  # one argument that is not a path: a prompt without a model
-            raise ValueError(NO_DEFAULT_MODEL)
-        raise ValueError(f'no prompt: hetmoe generate {args.model} "your prompt"')
+        if Path(args.model).is_dir():
+            raise ValueError(f'no prompt: hetmoe generate {args.model} "your prompt"')
+        from ..models.default import default_model_path
+
+        # One argument that is not a model directory: it is the prompt, for the default model.
+        args.model, args.prompt = str(default_model_path()), args.model
+    model = Path(args.model)
     if not model.is_dir():
         raise ValueError(f"{model}: not a model directory")
     if args.max_new_tokens < 1:
@@ -70,6 +114,10 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.gpu_experts < 0:
         raise ValueError(f"--gpu-experts must be >= 0, got {args.gpu_experts}")
+    if args.prefill_threshold is not None and args.prefill_threshold < 0:
+        raise ValueError(f"--prefill-threshold must be >= 0, got {args.prefill_threshold}")
+    if args.defer_experts < 0:
+        raise ValueError(f"--defer-experts must be >= 0, got {args.defer_experts}")
     return model, args.prompt
 
 
@@ -125,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{model_dir}: cannot load a tokenizer ({exc})") from None
+    if args.dense_method:
+        # CPU-only mode: the engine's workers use every core for the linears and experts; torch is left
+        # the small ops between them, which a second thread only slows (it must be woken, and competes
+        # with the workers): hetmoe bench model measured decode 2-18% slower with torch at 2 threads.
+        torch.set_num_threads(1)
     model = load_model(
         model_dir,
         method=args.method,
@@ -132,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
         gpu_experts=args.gpu_experts,
         cpu_threads=args.threads,
         dtype=args.dtype,
+        prefill_threshold=args.prefill_threshold,
+        defer_experts=args.defer_experts,
+        dense_method=args.dense_method,
     )
     runtime = model.hetmoe
     print(f"loaded {model_dir} in {runtime.load_seconds:.2f} s: {runtime.summary()}", file=sys.stderr)
@@ -139,7 +195,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    inputs = tokenizer(prompt, return_tensors="pt").to(args.device)
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{model_dir}: --chat needs a chat template in the tokenizer config, and it has none")
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    # A chat-rendered prompt already carries its special tokens; a raw one gets what the tokenizer adds.
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not args.chat).to(args.device)
     prompt_tokens = int(inputs["input_ids"].shape[1])
     if prompt_tokens == 0:
         raise ValueError(f"{model_dir}: the tokenizer turned the prompt {prompt!r} into no tokens")

@@ -7,9 +7,9 @@ import os
 import sys
 
 from ..kernels.dispatch import EngineUnavailableError
-from . import bench, chat, convert, demo, doctor, generate, gptq, inspect_cmd, serve, sft
+from . import bench, chat, convert, demo, doctor, eval, generate, gptq, inspect_cmd, plan, serve, sft
 
-COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, serve, chat, sft)
+COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, eval, plan, serve, chat, sft)
 
 
 def build_parser() -> argparse.ArgumentParser:

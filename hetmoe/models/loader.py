@@ -34,11 +34,14 @@ from ..formats.base import QuantizedTensor
 from ..kernels.dispatch import set_num_threads
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
 from ..runtime.hybrid import ExpertBackend, HybridMoE
+from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
 from ..runtime.placement import plan_placement
-from ..runtime.session import HybridRuntime
+from ..runtime.session import HybridRuntime, check_modes
 from ..runtime.stats import RuntimeStats, load_routing
 from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
+from .dense_engine import DenseConverter
+from .planner import plan_memory
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -61,6 +64,12 @@ def load_model(
     replace_margin: float = 0.25,
     gemv_max_tokens: int = 4,
     expert_backend: str = "auto",
+    prefill_threshold: int | None = None,
+    prefill_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    defer_experts: int = 0,
+    dense_method: str | None = None,
+    dense_group_size: int | None = None,
+    check_memory: bool = True,
 ) -> Any:
     """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
 
@@ -73,8 +82,17 @@ def load_model(
     reads ``routing_stats``, a file written by a run with ``record_routing=PATH``).
     ``replace_every``: re-place device experts from live counts every N calls of each layer.
     ``dtype``: the model's dtype (default: the config's, else the stored embedding's). ``cpu_threads``: the engine's
-    worker threads (default: one per usable CPU). ``expert_backend``: ``"auto"`` (the engine
+    worker threads (default: one per usable CPU). ``prefill_threshold``: forwards of more tokens
+    compute every routed expert on ``device``, the CPU experts streamed there in chunks of at most
+    ``prefill_chunk_bytes`` (runtime/layerwise.py). ``defer_experts``: each token's K lowest-scored CPU
+    experts finish during the next MoE layer (runtime/deferred.py). ``expert_backend``: ``"auto"`` (the engine
     where it runs the architecture's experts, else the torch fallback), ``"engine"`` or ``"torch"``.
+
+    ``dense_method``: CPU only: the non-expert Linear layers (attention, dense MLPs, shared
+    experts, lm_head; not the routers) run in the CPU engine in this method (int8, int4 with
+    ``dense_group_size``, bf16, a GGUF type), quantized one layer at a time as they are read
+    (models/dense_engine.py). ``check_memory``: before reading any weight, the memory planner
+    (models/planner.py) checks that the model fits the RAM and device memory, else PlanError.
 
     The returned model carries ``model.hetmoe`` (a HybridRuntime): placement, timing, routing
     statistics (``save_routing_stats()``).
@@ -101,9 +119,25 @@ def load_model(
     params = {"group_size": group_size} if group_size is not None else {}
     if expert_backend not in ("auto", "engine", "torch"):
         raise ValueError(f"expert_backend {expert_backend!r}: expected 'auto', 'engine' or 'torch'")
+    if dense_method is not None and dev.type != "cpu":
+        raise ValueError(f"dense_method runs the non-expert layers in the CPU engine: needs device='cpu', not {dev}")
     if cpu_threads is not None:
         set_num_threads(cpu_threads)
+    if check_memory:
+        plan_memory(
+            p,
+            method,
+            dense_method,
+            device=dev,
+            gpu_experts=gpu_experts,
+            group_size=group_size,
+            dense_group_size=dense_group_size,
+            dtype=model_dtype,
+            source=source,
+            layout=layout,
+        ).check()
 
+    check_modes(prefill_threshold, prefill_chunk_bytes, defer_experts, layout.top_k)
     frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
     plan = plan_placement(
         placement, layout.moe_layers, layout.num_experts, gpu_experts, gpu_experts_total, frequencies, seed
@@ -112,7 +146,14 @@ def load_model(
     model = _meta_model(config, model_dtype)
     stats = RuntimeStats(layout.num_experts, layout.top_k, layout.model_type, record_routing=record_routing is not None)
     hybrids = _replace_blocks(model, adapter, layout, stats, model_dtype, dev)
-    _load_non_experts(model, source, adapter, model_dtype, dev, config)
+    dense = None
+    if dense_method is not None:
+        keep_fp32 = _fp32_patterns(model, model_dtype)
+        dense = DenseConverter(
+            model, dense_method, dense_group_size, list(hybrids.values()), keep_fp32, gemv_max_tokens
+        )
+    _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
+    dense_notes = dense.finish(model) if dense is not None else []
     _materialize_leftovers(model, dev)
 
     methods = set()
@@ -138,9 +179,13 @@ def load_model(
         device=dev,
         routing_path=Path(record_routing) if record_routing is not None else None,
         load_seconds=time.perf_counter() - started,
+        prefill_threshold=prefill_threshold,
+        prefill_chunk_bytes=prefill_chunk_bytes,
+        defer_experts=defer_experts,
     )
     if any(isinstance(m.cpu, TorchCPUExperts) for m in hybrids.values()):
         runtime.notes.append(f"{adapter.name}: experts run on the torch CPU fallback, not the engine")
+    runtime.notes += dense_notes
     model.hetmoe = runtime
     return model
 
@@ -264,7 +309,13 @@ def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern[str]
 
 
 def _load_non_experts(
-    model: nn.Module, source: TensorSource, adapter: MoEAdapter, dtype: torch.dtype, device: torch.device, config: Any
+    model: nn.Module,
+    source: TensorSource,
+    adapter: MoEAdapter,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: Any,
+    dense: DenseConverter | None = None,
 ) -> None:
     keys = set(source.keys())
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
@@ -284,6 +335,8 @@ def _load_non_experts(
             )
         target = torch.float32 if any(p.search(name) for p in fp32) else tensor.dtype
         value = _read_dense(source, key, keys, config)
+        if dense is not None and dense.take(owner, local, value):
+            continue  # quantized for the CPU engine as read: never held in full precision
         # On the CPU in the stored dtype this is the file's own memory-mapped view: no copy.
         value = value.to(device=device, dtype=target if value.is_floating_point() else value.dtype)
         value._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' init skips it
