@@ -147,3 +147,61 @@ def test_transformers_trainer_runs_unchanged(model_dir, small_data, tmp_path) ->
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert any(".experts." in n for n in changed)
     assert placeholders(model)  # still in place, still empty
+
+
+def test_serve_runs_a_trained_adapter(model_dir, small_data, tmp_path) -> None:
+    """``hetmoe serve --lora DIR`` answers with the adapted model: its greedy completion equals
+    load_model + apply_adapter + transformers' generate on the same prompt."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    import hetmoe
+    from hetmoe.sft import apply_adapter
+
+    assert _run(model_dir, small_data, tmp_path / "run", 3) == 0
+    adapter = tmp_path / "run" / "adapter"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("def main", return_tensors="pt").input_ids
+    with torch.no_grad():
+        plain = hetmoe.load_model(model_dir, cpu_threads=1)(ids).logits
+    model = apply_adapter(hetmoe.load_model(model_dir, cpu_threads=1), adapter)
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, plain, atol=1e-4)  # the adapter does change the model
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    want = tok.decode(out[0, ids.shape[1] :])
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "hetmoe.cli.main", "serve", str(model_dir), "--lora", str(adapter)]
+    cmd += ["--port", str(port), "--threads", "1", "--torch-threads", "1", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "hetmoe serve did not start"
+            time.sleep(0.2)
+        cli = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = cli.completions.create(
+            model=model_dir.name, prompt="def main", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert "applied LoRA adapter" in err
+    assert r.choices[0].text == want
