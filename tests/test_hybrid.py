@@ -379,8 +379,8 @@ def test_greedy_generation_matches_transformers(model_type: str, tiny) -> None:
     """32 greedy tokens equal transformers' in bf16. Where bf16 rounding makes the two diverge
     (DeepSeek-V3's tiny model does at token 7: transformers' bf16 logits there are 0.420 / 0.348
     for tokens 14 / 115, the fp32 reference's 0.360 / 0.393), the fp32 runs must agree token for
-    token, and at the first bf16 difference hetmoe's token must be the fp32 reference's choice:
-    the divergence is transformers' per-projection bf16 rounding, not hetmoe's."""
+    token, and at the first bf16 difference hetmoe's token must be the fp32 reference's choice or
+    within bf16's resolution of it: the divergence is bf16 rounding, not a wrong computation."""
     path = tiny(model_type)
     prompt = tokens(1, (1, 8))
     kw = {"max_new_tokens": 32, "do_sample": False, "pad_token_id": 0}
@@ -393,8 +393,12 @@ def test_greedy_generation_matches_transformers(model_type: str, tiny) -> None:
     ours32 = load_model(path, method="bf16", dtype=torch.float32).generate(prompt, **kw)
     assert torch.equal(ours32, ref32.generate(prompt, **kw))
     first = int((ours[0] != theirs[0]).nonzero()[0])
-    exact_choice = int(logits(ref32, ours[:, :first])[0, -1].argmax())
-    assert int(ours[0, first]) == exact_choice, (model_type, first)
+    exact = logits(ref32, ours[:, :first])[0, -1]
+    exact_choice = int(exact.argmax())
+    # hetmoe's token is the fp32 reference's choice, or a near-tie below bf16's resolution there
+    # (MiniMax-M2's tiny model at token 11: fp32 logits 0.4216 / 0.4197, 0.45% apart)
+    gap = float(exact[exact_choice] - exact[int(ours[0, first])])
+    assert gap <= 2**-7 * float(exact.abs().max()), (model_type, first, gap)
 
 
 # --- memory -------------------------------------------------------------------------------------

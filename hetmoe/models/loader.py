@@ -40,6 +40,7 @@ from ..runtime.session import HybridRuntime, check_modes
 from ..runtime.stats import RuntimeStats, load_routing
 from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
+from .cpu_attention import use_cpu_attention
 from .dense_engine import DenseConverter
 from .planner import plan_memory
 
@@ -170,6 +171,8 @@ def load_model(
 
     model.eval()
     model.requires_grad_(False)
+    if dev.type == "cpu":
+        use_cpu_attention(model)  # torch's CPU SDPA is slow for one-token queries (cpu_attention.py)
     _load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(

@@ -6,13 +6,14 @@ attention down another kernel path (``pack_gqa`` instead of ``enable_gqa``) over
 length, and in bf16 the rounding differences flip a greedy token now and then. A request's output
 would then depend on what else happened to be running.
 
-``ragged_sdpa`` removes that: for a one-token query with a left-padding mask it runs transformers'
-``sdpa_attention_forward`` once per row on that row's own keys and values (the padding sliced
-off, no mask), which is exactly the call an unbatched decode step makes. Everything else (prefill,
-no mask, any other mask shape) goes to ``sdpa_attention_forward`` unchanged. The projections and
-the MoE experts around the attention are per-row computations and were checked to be bit-identical
-whatever the batch (tests/test_serve_batching.py). The cost is one small SDPA call per running
-request and layer.
+``ragged_sdpa`` removes that: for a one-token query with a left-padding mask it runs the model's
+attention function (``hetmoe.models.cpu_attention.attention_forward``: hetmoe's fp32 decode
+attention on the CPU, transformers' ``sdpa_attention_forward`` elsewhere) once per row on that row's
+own keys and values (the padding sliced off, no mask), which is exactly the call an unbatched decode
+step makes. Everything else (prefill, no mask, any other mask shape) goes to that function
+unchanged. The projections and the MoE experts around the attention are per-row computations and
+were checked to be bit-identical whatever the batch (tests/test_serve_batching.py). The cost is one
+small attention call per running request and layer.
 
 It is registered with transformers under ``ATTENTION_NAME`` (with the SDPA mask builder) and
 enabled per model by :func:`use_ragged_attention`.
@@ -23,6 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ..models.cpu_attention import ATTENTION_NAME as CPU_ATTENTION_NAME
+from ..models.cpu_attention import attention_forward
 
 ATTENTION_NAME = "hetmoe_ragged_sdpa"
 _registered = False
@@ -36,14 +40,12 @@ def ragged_sdpa(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     starts = _left_padding(attention_mask, query, key)
     if starts is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = []
     for i, start in enumerate(starts):
-        out, _ = sdpa_attention_forward(
+        out, _ = attention_forward(
             module, query[i : i + 1], key[i : i + 1, :, start:], value[i : i + 1, :, start:], None, **kwargs
         )
         rows.append(out)
@@ -85,7 +87,7 @@ def use_ragged_attention(model: Any) -> bool:
     current = getattr(model.config, "_attn_implementation", None)
     if current == ATTENTION_NAME:
         return True
-    if current != "sdpa":
+    if current not in ("sdpa", CPU_ATTENTION_NAME):
         return False
     register()
     model.set_attn_implementation(ATTENTION_NAME)

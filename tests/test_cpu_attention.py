@@ -1,0 +1,107 @@
+"""hetmoe's CPU decode attention against transformers' own SDPA attention function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hetmoe.models.cpu_attention import ATTENTION_NAME, attention_forward
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _inputs(b: int, h: int, kv: int, q_len: int, length: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, q_len, 64, generator=g).to(dtype)
+    k = torch.randn(b, kv, length, 64, generator=g).to(dtype)
+    v = torch.randn(b, kv, length, 64, generator=g).to(dtype)
+    return q, k, v
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize(("h", "kv"), [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "bool-heads", "additive"])
+def test_decode_step_equals_sdpa(h: int, kv: int, mask_kind: str | None) -> None:
+    b, length = 3, 37
+    q, k, v = _inputs(b, h, kv, 1, length, torch.float32)
+    mask = None
+    visible = torch.rand(b, 1, 1, length, generator=torch.Generator().manual_seed(1)) > 0.3
+    visible[..., -1] = True  # a decode step always sees its own key
+    if mask_kind == "bool":
+        mask = visible
+    elif mask_kind == "bool-heads":
+        mask = visible.expand(b, h, 1, length).clone()
+        mask[:, 0, :, :5] = False  # a head-specific mask must stay with its head
+    elif mask_kind == "additive":
+        mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+    module = _Attn(h // kv)
+    got, _ = attention_forward(module, q, k, v, mask, scaling=0.125)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)
+    assert got.shape == want.shape == (b, 1, h, 64)
+    assert rel(got, want) <= 1e-6
+
+
+def test_bf16_decode_is_at_least_as_accurate_as_sdpa() -> None:
+    q, k, v = _inputs(2, 8, 2, 1, 300, torch.bfloat16)
+    module = _Attn(4)
+    exact, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), None)
+    got, _ = attention_forward(module, q, k, v, None)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, None)
+    assert got.dtype == torch.bfloat16
+    assert rel(got, exact) <= rel(theirs, exact) + 2**-9
+
+
+def test_other_calls_go_to_sdpa_unchanged(monkeypatch) -> None:
+    """Prefill (several query tokens), a position bias, or dropout in training are SDPA's business."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    calls: list[int] = []
+    real = sdpa.sdpa_attention_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", counting)
+    module = _Attn(2)
+    q, k, v = _inputs(1, 4, 2, 5, 5, torch.float32)
+    got, _ = attention_forward(module, q, k, v, None)
+    assert calls and rel(got, real(module, q, k, v, None)[0]) == 0
+    calls.clear()
+    q1 = q[:, :, :1]
+    attention_forward(module, q1, k, v, None, position_bias=torch.zeros(1, 4, 1, 5))
+    assert calls
+    calls.clear()
+    attention_forward(module, q1, k, v, None)
+    assert not calls  # the decode path itself
+
+
+def test_load_model_uses_it_on_the_cpu(tiny_cache) -> None:
+    """And the model's outputs are transformers' own (fp32: within rounding) through a generate."""
+    from transformers import AutoModelForCausalLM
+
+    from hetmoe import load_model
+
+    path = tiny_cache.model("qwen3_moe")
+    ours = load_model(path, method="bf16", dtype=torch.float32, cpu_threads=1)
+    assert ours.config._attn_implementation == ATTENTION_NAME
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "output_scores": True}
+    kw["return_dict_in_generate"] = True
+    a, b = ours.generate(prompt, **kw), theirs.generate(prompt, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores, strict=True):
+        assert rel(sa, sb) <= 1e-5
