@@ -51,6 +51,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         Pybind11Extension(
             "hetmoe._C",
             sorted(str(Path("csrc") / s) for s in [*SOURCES, *ISA_SOURCES]),
+            # headers and the shared kernel bodies: a change to any of them rebuilds the extension
+            depends=sorted(str(p) for p in [*Path("csrc").glob("*.h"), *Path("csrc").glob("*.inc")]),
             cxx_std=17,
             extra_compile_args=[
                 "-O3",

@@ -52,9 +52,11 @@ struct Proj {
 
 // One activation row as the kernels want it: fp32 values, and for integer kernels int16 codes
 // in blocks of 32 with a scale per block (amax / 32767: the rounding error is ~1e-5 relative, so
-// integer dot products cost no accuracy worth measuring, unlike int8 activations at ~1e-2). For
-// int4 the codes inside each block are stored evens first then odds (k = 0,2,..,30,1,3,..,31),
-// the order a byte of nibbles unpacks to.
+// integer dot products cost no accuracy worth measuring, unlike int8 activations at ~1e-2).
+// kActNatural: each block's codes evens first then odds (k = 0,2,..,30,1,3,..,31), the order a
+// 16-bit lane of weight bytes splits into. kActPairs (4-bit formats): the same codes, at most
+// 32639, stored exactly as two int8 digits (256 * hi + lo) for u8 x s8 dot products, in the
+// paired-block layout described in kernels_common.inc. `sum` is each block's sum of codes.
 struct Act {
   const float* f = nullptr;
   const int16_t* q = nullptr;

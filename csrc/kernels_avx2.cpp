@@ -34,12 +34,12 @@ inline V vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 // e4m3 -> fp16 by moving its bits (sign to bit 15, exponent and mantissa to bits 13..7): the fp16
-// is the e4m3 value times 2^-8 exactly, subnormals included; F16C widens it to fp32.
+// is the e4m3 value times 2^-8 exactly, subnormals included; F16C widens it to fp32. Sign-extending
+// the byte puts the sign in bits 8..15, so one shift by 7 places everything and one mask clears
+// the copy of the sign that lands in bit 14.
 inline V vload_fp8(const uint8_t* p) {
-  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-  return _mm256_cvtph_ps(h);
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
 }
 inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
 inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }

@@ -32,10 +32,8 @@ inline V vload_bf16(const uint16_t* p) {
 }
 // e4m3 -> fp16 by moving bits (see the AVX2 unit), then widen 16 halves to fp32.
 inline V vload_fp8(const uint8_t* p) {
-  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-  return _mm512_cvtph_ps(h);
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
 inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
