@@ -49,6 +49,7 @@ from ..checkpoint.atomic import write_text_atomic
 from ..kernels import select_isa, set_num_threads
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.hybrid import HybridMoE
+from .cache_flush import CacheFlush, last_level_cache_bytes
 from .model_build import DEFAULT_CACHE, ModelShape, build_model
 
 # llama.cpp on the reference machine (2 threads), this exact model: (decode tok/s, prefill tok/s).
@@ -208,37 +209,7 @@ def _split_of(model: nn.Module, run: Callable[[], float]) -> dict[str, float]:
 # --- the parts alone ----------------------------------------------------------------------------
 
 
-def last_level_cache_bytes() -> int:
-    """The largest cache this CPU reports (sysfs), 32 MiB when unknown."""
-    from ..hw import cpu_info
-
-    sizes = [_cache_size(v) for v in cpu_info().caches.values()]
-    return max([s for s in sizes if s] or [32 * 2**20])
-
-
-def _cache_size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper()
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-    except ValueError:
-        return 0
-
-
-class _Flush:
-    """Evicts the caches by reading a buffer twice their size: a part timed alone then reads its
-    weights from DRAM, as it does inside a decode step, where the rest of the model's weights went
-    through the cache since its last call (reused weights would otherwise time the cache, not the part)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.ones(max(0, nbytes) // 8, dtype=torch.int64)
-
-    def __call__(self) -> None:
-        if self.buffer.numel():
-            self.buffer.sum()
-
-
-def _time_alone(fn: Callable[[], Any], repeats: int, flush: _Flush) -> float:
+def _time_alone(fn: Callable[[], Any], repeats: int, flush: CacheFlush) -> float:
     fn()  # warm-up
     times = []
     for _ in range(max(3, repeats)):
@@ -250,7 +221,7 @@ def _time_alone(fn: Callable[[], Any], repeats: int, flush: _Flush) -> float:
 
 
 def _parts_alone(
-    model: nn.Module, shape: ModelShape, tokens: int, context: int, repeats: int, flush: _Flush
+    model: nn.Module, shape: ModelShape, tokens: int, context: int, repeats: int, flush: CacheFlush
 ) -> dict[str, float]:
     """Milliseconds of each part run on its own for ``tokens`` new tokens over ``context`` cached ones,
     summed over the layers (the lm_head once, for the last token)."""
@@ -307,7 +278,7 @@ def _measure(model: nn.Module, cfg: ModelBenchConfig) -> dict[str, Any]:
     # The split comes from passes of its own: hooks cost a little, the headline numbers carry none.
     cache, token = _decode_start(model, shape, cfg.context, gen)
     split = _split_of(model, lambda: sum(_decode_steps(model, cache, token, cfg.steps)))
-    flush = _Flush(cfg.flush_bytes if cfg.flush_bytes is not None else 2 * last_level_cache_bytes())
+    flush = CacheFlush(cfg.flush_bytes if cfg.flush_bytes is not None else 2 * last_level_cache_bytes())
     alone = _parts_alone(model, shape, 1, cfg.context, cfg.repeats, flush)
     out: dict[str, Any] = {
         "decode": {

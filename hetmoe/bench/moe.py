@@ -22,6 +22,7 @@ from ..kernels.machine import measure_machine
 from ..models.shapes import MoEShape, get_shape
 from ..runtime import CPUExperts
 from .baseline import TorchExperts
+from .cache_flush import CacheFlush, last_level_cache_bytes
 from .layers import dequantize_expert, random_projection
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512)
@@ -46,13 +47,15 @@ def _reps(tokens: int) -> int:
     return 30 if tokens <= 8 else 10 if tokens <= 64 else 5
 
 
-def _time(fn, prepare, reps: int, min_seconds: float) -> list[float]:
-    """Times ``fn(*prepare())``; only ``fn`` is inside the clock (routing is drawn outside it)."""
+def _time(fn, prepare, reps: int, min_seconds: float, flush: CacheFlush) -> list[float]:
+    """Times ``fn(*prepare())``; only ``fn`` is inside the clock (routing is drawn and the caches
+    evicted outside it: in a model, the other layers' weights pass through the cache in between)."""
     fn(*prepare())  # warm-up: page in, allocate, spin up the pool
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < min_seconds and len(times) < 10 * reps):
         args = prepare()
+        flush()
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
@@ -84,6 +87,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         f"machine: read {machine['read_gb_per_s']} GB/s, fp32 FMA {machine['fma_gflop_per_s']} GFLOP/s "
         f"({machine['threads']} threads, {machine['isa']}); kernels: {isa}"
     )
+    flush = CacheFlush(2 * last_level_cache_bytes())
     records = []
     h, i, k = shape.hidden, shape.intermediate, shape.top_k
     for method in cfg.methods:
@@ -115,7 +119,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 if name == "hetmoe":
                     torch.set_num_threads(1)
                 try:
-                    times = _time(impl.forward, draw, _reps(tokens), cfg.min_seconds)
+                    times = _time(impl.forward, draw, _reps(tokens), cfg.min_seconds, flush)
                 finally:
                     torch.set_num_threads(torch_threads)
                 ms = statistics.median(times) * 1e3
