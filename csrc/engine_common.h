@@ -118,6 +118,13 @@ class PendingJobs {
     jobs_.erase(it);
     return job;
   }
+  // Blocks until the job for `handle` is done and forgets it; false if it is not pending.
+  bool wait(int64_t handle) {
+    std::shared_ptr<Job> job = take(handle);
+    if (!job) return false;
+    job->wait();
+    return true;
+  }
   int size() const {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int>(jobs_.size());

@@ -129,12 +129,7 @@ int64_t LinearEngine::submit(const void* x, int x_dtype, int tokens, void* y, in
   return handle;
 }
 
-bool LinearEngine::wait(int64_t handle) {
-  std::shared_ptr<Job> job = jobs_.take(handle);
-  if (!job) return false;
-  job->wait();
-  return true;
-}
+bool LinearEngine::wait(int64_t handle) { return jobs_.wait(handle); }
 
 int LinearEngine::pending() const { return jobs_.size(); }
 

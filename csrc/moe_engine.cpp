@@ -280,12 +280,7 @@ int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t*
   return handle;
 }
 
-bool MoEEngine::wait(int64_t handle) {
-  std::shared_ptr<Job> job = jobs_.take(handle);
-  if (!job) return false;
-  job->wait();
-  return true;
-}
+bool MoEEngine::wait(int64_t handle) { return jobs_.wait(handle); }
 
 int MoEEngine::pending() const { return jobs_.size(); }
 

@@ -12,10 +12,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +24,7 @@ pytest.importorskip("fastapi")
 
 import httpx
 import openai
+from serve_process import serve_process
 from tiny_models import tiny_chat_model
 
 from hetmoe import load_model
@@ -494,34 +491,15 @@ def test_metrics_report_requests_tokens_latencies_and_cpu_expert_time(server) ->
 
 
 def test_hetmoe_serve_command_runs_with_the_key_from_the_environment(model_dir) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "HETMOE_API_KEY": "env-key"}
-    cmd = [sys.executable, "-m", "hetmoe.cli.main", "serve", str(model_dir), "--port", str(port)]
-    cmd += ["--threads", "1", "--torch-threads", "1", "--model-name", "cli-model", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "hetmoe serve did not start"
-            time.sleep(0.2)
-        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
-        cli = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0)
+    args = [str(model_dir), "--threads", "1", "--torch-threads", "1", "--model-name", "cli-model"]
+    with serve_process([*args, "--log-level", "warning"], env=env) as srv:
+        assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401
+        cli = openai.OpenAI(base_url=srv.url + "/v1", api_key="env-key", max_retries=0)
         r = cli.completions.create(model="cli-model", prompt="Hello", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens <= 3 and r.model == "cli-model"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "serving 'cli-model' on http://127.0.0.1:" in err and "API key required" in err
+    assert srv.returncode == 0, srv.stderr
+    assert "serving 'cli-model' on http://127.0.0.1:" in srv.stderr and "API key required" in srv.stderr
 
 
 @pytest.mark.parametrize(

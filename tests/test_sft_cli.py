@@ -152,15 +152,8 @@ def test_transformers_trainer_runs_unchanged(model_dir, small_data, tmp_path) ->
 def test_serve_runs_a_trained_adapter(model_dir, small_data, tmp_path) -> None:
     """``hetmoe serve --lora DIR`` answers with the adapted model: its greedy completion equals
     load_model + apply_adapter + transformers' generate on the same prompt."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    import httpx
     import openai
+    from serve_process import serve_process
     from transformers import AutoTokenizer
 
     import hetmoe
@@ -178,30 +171,11 @@ def test_serve_runs_a_trained_adapter(model_dir, small_data, tmp_path) -> None:
     out = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     want = tok.decode(out[0, ids.shape[1] :])
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "hetmoe.cli.main", "serve", str(model_dir), "--lora", str(adapter)]
-    cmd += ["--port", str(port), "--threads", "1", "--torch-threads", "1", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "hetmoe serve did not start"
-            time.sleep(0.2)
-        cli = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    args = [str(model_dir), "--lora", str(adapter), "--threads", "1", "--torch-threads", "1"]
+    with serve_process([*args, "--log-level", "warning"]) as srv:
+        cli = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         r = cli.completions.create(
             model=model_dir.name, prompt="def main", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
         )
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    assert "applied LoRA adapter" in err
+    assert "applied LoRA adapter" in srv.stderr
     assert r.choices[0].text == want

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 ATTENTION_NAME = "hetmoe_cpu_sdpa"
-_registered = False
 
 
 def attention_forward(
@@ -87,26 +86,33 @@ def _grouped(mask: torch.Tensor, b: int, kv: int, groups: int) -> torch.Tensor:
     return mask.reshape(mask.shape[0], kv, groups, mask.shape[-1])
 
 
-def register() -> None:
-    """Make ``ATTENTION_NAME`` known to transformers (with SDPA's mask builder); idempotent."""
-    global _registered
-    if _registered:
+_REGISTERED: set[str] = set()
+
+
+def register_attention(name: str, fn: Any) -> None:
+    """Make attention function ``fn`` known to transformers as ``name`` (with SDPA's mask builder); idempotent."""
+    if name in _REGISTERED:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    _registered = True
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    _REGISTERED.add(name)
+
+
+def switch_attention(model: Any, name: str, fn: Any, replaces: tuple[str, ...]) -> bool:
+    """Switch ``model`` to attention ``name`` when it uses one of ``replaces``; False (unchanged) otherwise."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == name:
+        return True
+    if current not in replaces:
+        return False
+    register_attention(name, fn)
+    model.set_attn_implementation(name)
+    return True
 
 
 def use_cpu_attention(model: Any) -> bool:
     """Switch a model on transformers' SDPA attention to this one; False (unchanged) for any other."""
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == ATTENTION_NAME:
-        return True
-    if current != "sdpa":
-        return False
-    register()
-    model.set_attn_implementation(ATTENTION_NAME)
-    return True
+    return switch_attention(model, ATTENTION_NAME, attention_forward, ("sdpa",))

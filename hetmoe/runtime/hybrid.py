@@ -60,6 +60,18 @@ class ExpertBackend(Protocol):
     def set_mask(self, mask: torch.Tensor) -> None: ...
 
 
+def adopt_block_members(module: nn.Module, block: nn.Module) -> None:
+    """Give ``module`` the sparse block's router, shared experts, parameters and buffers under their own
+    names (everything but its routed ``experts``), so state-dict keys and the adapters' routing see them."""
+    for name, child in block.named_children():
+        if name != "experts":
+            module.add_module(name, child)
+    for name, param in block.named_parameters(recurse=False):
+        module.register_parameter(name, param)
+    for name, buf in block.named_buffers(recurse=False):
+        module.register_buffer(name, buf, persistent=name not in block._non_persistent_buffers_set)
+
+
 class HybridMoE(nn.Module):
     def __init__(
         self,
@@ -71,14 +83,7 @@ class HybridMoE(nn.Module):
         device: torch.device | str,
     ) -> None:
         super().__init__()
-        # Adopt the block's router, shared experts, parameters and buffers under their own names.
-        for name, child in block.named_children():
-            if name != "experts":
-                self.add_module(name, child)
-        for name, param in block.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in block.named_buffers(recurse=False):
-            self.register_buffer(name, buf, persistent=name not in block._non_persistent_buffers_set)
+        adopt_block_members(self, block)
         self.adapter = adapter
         self.layer = layer
         self.stats = stats

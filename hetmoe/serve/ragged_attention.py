@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from ..models.cpu_attention import ATTENTION_NAME as CPU_ATTENTION_NAME
-from ..models.cpu_attention import attention_forward
+from ..models.cpu_attention import attention_forward, switch_attention
 
 ATTENTION_NAME = "hetmoe_ragged_sdpa"
-_registered = False
 
 
 def ragged_sdpa(
@@ -69,26 +68,6 @@ def _left_padding(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Ten
     return [int(s) for s in starts.tolist()]
 
 
-def register() -> None:
-    """Make ``ATTENTION_NAME`` known to transformers (attention function and mask builder); idempotent."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, ragged_sdpa)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    _registered = True
-
-
 def use_ragged_attention(model: Any) -> bool:
-    """Switch a model that uses transformers' SDPA attention to the ragged one; False if it uses another."""
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == ATTENTION_NAME:
-        return True
-    if current not in ("sdpa", CPU_ATTENTION_NAME):
-        return False
-    register()
-    model.set_attn_implementation(ATTENTION_NAME)
-    return True
+    """Switch a model on SDPA (or hetmoe's CPU attention) to the ragged one; False if it uses another."""
+    return switch_attention(model, ATTENTION_NAME, ragged_sdpa, ("sdpa", CPU_ATTENTION_NAME))

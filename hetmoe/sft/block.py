@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..models.adapters.base import MoEAdapter
+from ..runtime.hybrid import adopt_block_members
 from .frozen import FrozenExperts
 from .function import dropout_masks, routed_experts
 from .hosts import RoutedExperts, collect_lora
@@ -39,13 +40,7 @@ class SFTMoE(nn.Module):
         use_engine: bool = True,
     ) -> None:
         super().__init__()
-        for name, child in block.named_children():
-            if name != "experts":
-                self.add_module(name, child)
-        for name, param in block.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in block.named_buffers(recurse=False):
-            self.register_buffer(name, buf, persistent=name not in block._non_persistent_buffers_set)
+        adopt_block_members(self, block)
         self.experts = experts
         self.adapter = adapter
         self.layer = layer
