@@ -31,12 +31,9 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import random
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -334,30 +331,6 @@ def heldout_text(modules: list[Module]) -> str:
     return "".join(out)
 
 
-def write_atomically(final: Path, fill: Any) -> None:
-    """Build the directory beside ``final`` and swap it in only when every file is written."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
-    try:
-        fill(tmp)
-        for f in tmp.iterdir():
-            f.chmod(0o644)  # package data: readable by all, like the rest of the checkout
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        tmp.chmod(0o755)  # mkdtemp made it private
-        old = None
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
-            os.rmdir(old)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -501,9 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
 
-    def fill(tmp: Path) -> None:
-        from transformers import GenerationConfig
+    from transformers import GenerationConfig
 
+    from hetmoe.checkpoint.atomic import atomic_dir
+
+    # Built beside the output and swapped in whole: an interrupted run never leaves half a model.
+    with atomic_dir(args.out) as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp)
         GenerationConfig(
             eos_token_id=[ids["<|im_end|>"], eot], pad_token_id=eot, do_sample=False, max_new_tokens=128
@@ -512,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
         (tmp / "heldout.txt").write_text(heldout_text(held))
         (tmp / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-
-    write_atomically(args.out, fill)
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # package data: readable by all whatever the umask
     sizes = {f.name: f.stat().st_size for f in sorted(args.out.iterdir())}
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
     print(f"total {sum(sizes.values()) / 1e6:.2f} MB, wall {time.perf_counter() - t0:.0f} s")

@@ -291,3 +291,20 @@ def test_atomic_writes_get_the_usual_file_mode(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_atomic_dir_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
+    from hetmoe.checkpoint.atomic import atomic_dir
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(target) as tmp:
+        (tmp / "new.txt").write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no leftovers
+    assert sorted(p.name for p in target.iterdir()) == ["old.txt"]
+    with atomic_dir(target) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]

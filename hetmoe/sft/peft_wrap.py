@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from ..checkpoint.atomic import atomic_dir
 from .block import SFTMoE
 from .placeholders import placeholders, unwrap
 
@@ -150,39 +149,15 @@ def expert_lora_reached(model: nn.Module) -> int:
     return count
 
 
-def save_adapter(peft_model: Any, directory: str | Path) -> Path:
-    """PEFT's ``save_pretrained`` into ``directory``, atomically (temporary directory, then rename)."""
+def write_adapter(peft_model: Any, directory: str | Path) -> None:
+    """PEFT's ``save_pretrained`` into ``directory`` (the placeholder inventory checked first)."""
     placeholders(peft_model)
+    peft_model.save_pretrained(str(directory))
+
+
+def save_adapter(peft_model: Any, directory: str | Path) -> Path:
+    """``write_adapter``, atomically: into a temporary directory that then replaces ``directory``."""
     target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    peft_model.save_pretrained(str(tmp))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    replace_dir(tmp, target)
+    with atomic_dir(target) as tmp:
+        write_adapter(peft_model, tmp)
     return target
-
-
-def fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # some filesystems do not allow opening a directory
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_dir(tmp: Path, target: Path) -> None:
-    """Put directory ``tmp`` at ``target`` (an older ``target`` is moved aside first, then removed)."""
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
-    if old.exists():
-        shutil.rmtree(old)

@@ -15,8 +15,6 @@ goes to ``OUTPUT/adapter`` (``adapter_model.safetensors`` + ``adapter_config.jso
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,9 +23,10 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.atomic import atomic_dir
 from .data import Example, collate, load_chat_dataset
 from .load import load_for_training
-from .peft_wrap import get_peft_model, host_module_names, per_expert_targets, replace_dir, save_adapter
+from .peft_wrap import get_peft_model, host_module_names, per_expert_targets, save_adapter, write_adapter
 from .placeholders import placeholders
 
 STATE_FILE = "trainer_state.pt"
@@ -124,16 +123,10 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
 
 def save_checkpoint(model: Any, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig, where: Path) -> None:
     """Adapter + optimizer + step + RNG + settings into ``where``, atomically (temp dir, rename)."""
-    tmp = where.parent / f".{where.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_adapter(model, tmp)
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "fixed": cfg.fixed()}
-    with open(tmp / STATE_FILE, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    replace_dir(tmp, where)
+    with atomic_dir(where) as tmp:
+        write_adapter(model, tmp)
+        torch.save(state, tmp / STATE_FILE)
 
 
 def read_checkpoint_state(cfg: TrainConfig, where: Path) -> dict[str, Any]:
