@@ -38,7 +38,7 @@ from hetmoe.cli.main import main
 from hetmoe.formats import get_codec, snr_db
 
 REPO = Path(__file__).resolve().parents[1]
-# Children run on one torch thread for the reason _one_torch_thread gives.
+# Children run on one torch thread for the reason the one_torch_thread fixture (conftest.py) gives.
 CHILD_ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 # target method -> (group size to ask for, SNR floor in dB against the dequantized source)
 TARGETS: dict[str, tuple[int | None, float]] = {
@@ -53,14 +53,7 @@ TARGETS: dict[str, tuple[int | None, float]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny tensors gain nothing from threads, and on a shared, oversubscribed machine every OpenMP
-    barrier waits for a descheduled thread: one thread keeps these tests fast and changes no result."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _experts(path: Path) -> dict[int, LayerExperts]:

@@ -29,13 +29,7 @@ FILES = (
 PROMPT = "def fibonacci(n):\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """A 4 M-parameter model gains little from intra-op threads; on a busy 2-core machine they contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,7 @@ from hetmoe.runtime.deferred import DeferredExperts, measure_deferral
 TINY_K1_BOUND = 0.05
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; OpenMP spinning would fight the engine's pool
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

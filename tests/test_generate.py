@@ -10,17 +10,7 @@ pytest.importorskip("transformers")
 
 from hetmoe.cli.main import main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a small busy machine OpenMP's
-    spinning workers fight the engine's pool for the cores (20x slower generation)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

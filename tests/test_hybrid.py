@@ -49,16 +49,7 @@ FUSABLE = tuple(m for m in MODEL_TYPES if m != "gpt_oss")  # gpt-oss is only eve
 LAYOUTS = [(m, None) for m in MODEL_TYPES] + [(m, True) for m in FUSABLE]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a small busy machine OpenMP's
-    spinning workers fight the engine's pool for the cores (20x slower generation)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

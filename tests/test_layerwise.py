@@ -33,12 +33,7 @@ from hetmoe.runtime import layerwise
 ARCHS = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; OpenMP spinning would fight the engine's pool
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BATCH, MAX_QUEUE = 8, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on a small shared machine they fight the engine's pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

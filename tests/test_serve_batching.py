@@ -22,12 +22,7 @@ PROMPTS = [[5, 9, 33], list(range(40, 61)), [7], list(range(100, 112)), [300, 30
 STEPS = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -37,15 +37,7 @@ from hetmoe.checkpoint.store import (
 from hetmoe.cli.inspect_cmd import inspect_path
 from hetmoe.formats import FormatError
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny tensors gain nothing from threads, and on a shared, oversubscribed machine every OpenMP
-    barrier waits for a descheduled thread: one thread keeps these tests fast and changes no result."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
