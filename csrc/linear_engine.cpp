@@ -122,10 +122,10 @@ LinearEngine::LinearEngine(const Proj& weight, const float* bias, const KernelTa
     : w_(weight), bias_(bias), kt_(kernels), gemv_max_(gemv_max_tokens) {}
 
 int64_t LinearEngine::submit(const void* x, int x_dtype, int tokens, void* y, int y_dtype) {
-  ThreadPool& pool = global_pool();
-  auto job = std::make_shared<LinearJob>(w_, bias_, kt_, gemv_max_, x, x_dtype, tokens, y, y_dtype, pool.threads());
+  std::shared_ptr<ThreadPool> pool = global_pool();
+  auto job = std::make_shared<LinearJob>(w_, bias_, kt_, gemv_max_, x, x_dtype, tokens, y, y_dtype, pool->threads());
   const int64_t handle = jobs_.add(job);
-  pool.submit(std::move(job));
+  pool->submit(std::move(job));
   return handle;
 }
 

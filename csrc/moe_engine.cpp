@@ -235,12 +235,12 @@ class MoEJob final : public Job {
 };
 
 std::mutex g_pool_mu;
-std::unique_ptr<ThreadPool> g_pool;
+std::shared_ptr<ThreadPool> g_pool;
 int g_pool_threads = 0;
 
 }  // namespace
 
-ThreadPool& global_pool() {
+std::shared_ptr<ThreadPool> global_pool() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   if (!g_pool) {
     int n = g_pool_threads;
@@ -250,15 +250,17 @@ ThreadPool& global_pool() {
       n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : int(std::thread::hardware_concurrency());
       if (n <= 0) n = 1;
     }
-    g_pool = std::make_unique<ThreadPool>(n);
+    g_pool = std::make_shared<ThreadPool>(n);
   }
-  return *g_pool;
+  return g_pool;
 }
 
 void set_pool_threads(int threads) {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   g_pool_threads = threads;
-  g_pool.reset();  // the next job starts a pool of the new size
+  // The next job starts a pool of the new size; the old one finishes its jobs first (a thread
+  // waiting on one of them keeps it alive until then).
+  g_pool.reset();
 }
 
 int pool_threads() {
@@ -276,7 +278,7 @@ int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t*
   auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, x, x_dtype, tokens, ids,
                                       topk, weights, y, skip_mask);
   const int64_t handle = jobs_.add(job);
-  global_pool().submit(std::move(job));
+  global_pool()->submit(std::move(job));
   return handle;
 }
 

@@ -45,7 +45,7 @@ class MoEEngine {
 };
 
 // The process-wide pool all engines share; created on first use.
-ThreadPool& global_pool();
+std::shared_ptr<ThreadPool> global_pool();
 void set_pool_threads(int threads);
 int pool_threads();
 

@@ -371,3 +371,27 @@ def test_idle_pool_takes_no_cpu(weights) -> None:
     after = resource.getrusage(resource.RUSAGE_SELF)
     busy = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert busy < 0.05, f"{busy:.3f} s of CPU while idle"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pool_sizes_and_replacement_with_jobs_pending(weights, threads: int) -> None:
+    """A pool of N is N - 1 workers plus the waiting caller: a pool of one runs every job on the
+    waiter, and replacing the pool while jobs are pending finishes them (none is lost or hangs)."""
+    mod = engine_module()
+    before = mod.num_threads()
+    ce = _experts(weights, "int4")
+    try:
+        mod.set_num_threads(threads)
+        jobs = []
+        for seed in range(4):
+            ids, w = _routing(3 + seed * 7, 2, seed)
+            x = torch.randn(ids.shape[0], H, generator=torch.Generator().manual_seed(seed))
+            jobs.append((ce.submit(x, ids, w), x, ids, w))
+        mod.set_num_threads(2 if threads != 2 else 1)  # the old pool drains on this thread
+        for handle, x, ids, w in reversed(jobs):
+            assert _rel(ce.wait(handle), _reference(ce, x, ids, w)) < FP32_BOUND["int4"]
+        ids, w = _routing(5, 2, 9)
+        x = torch.randn(5, H)
+        assert _rel(ce.forward(x, ids, w), _reference(ce, x, ids, w)) < FP32_BOUND["int4"]
+    finally:
+        mod.set_num_threads(before)
