@@ -33,9 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from a prompt, experts on the CPU; prints tokens/s and where time went",
         description=(
-            "Loads MODEL (a transformers MoE checkpoint directory; without it, the small default model that "
-            "ships inside hetmoe) with its routed experts in the CPU engine (stored precision, or --method to "
-            "convert while loading), everything else on --device, and streams the continuation of PROMPT "
+            "Loads MODEL (a transformers MoE checkpoint directory or a llama.cpp .gguf file; without it, the "
+            "small default model that ships inside hetmoe) with its routed experts in the CPU engine (stored "
+            "precision, or --method to convert while loading), everything else on --device, and streams the "
+            "continuation of PROMPT "
             "(with --chat: the reply to PROMPT as a user message, through the tokenizer's chat template). "
             "Afterwards it prints prefill and decode tokens/s and the split of the time between CPU experts and "
             "the rest."
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             '  hetmoe generate "def fibonacci(n):"                      # the embedded default model\n'
             '  hetmoe generate --method int4 --chat "What does `json.dumps` do?"\n'
             '  hetmoe generate /models/Qwen3-30B-A3B "The capital of France is"\n'
+            '  hetmoe generate /models/Qwen3-30B-A3B-Q4_K_M.gguf "The capital of France is"\n'
             '  hetmoe generate /models/DeepSeek-V3 "Hi" --method int4 --device cuda --gpu-experts 8\n'
             '  hetmoe generate /models/Qwen3-30B-A3B "Hi" --method int4 --dense-method int8 --threads 2\n'
             '  hetmoe generate /models/Qwen3-30B-A3B "$(cat long.txt)" --device cuda --prefill-threshold 512 '
@@ -53,7 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory (default: the embedded model)")
+    p.add_argument(
+        "model", nargs="?", metavar="MODEL", help="model directory or .gguf file (default: the embedded model)"
+    )
     p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the text to continue")
     p.add_argument(
         "--method",
@@ -97,15 +101,15 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model is None:
         raise ValueError(NO_PROMPT)
     if args.prompt is None:
-        if Path(args.model).is_dir():
+        if Path(args.model).is_dir() or _is_gguf(Path(args.model)):
             raise ValueError(f'no prompt: hetmoe generate {args.model} "your prompt"')
         from ..models.default import default_model_path
 
         # One argument that is not a model directory: it is the prompt, for the default model.
         args.model, args.prompt = str(default_model_path()), args.model
     model = Path(args.model)
-    if not model.is_dir():
-        raise ValueError(f"{model}: not a model directory")
+    if not model.is_dir() and not _is_gguf(model):
+        raise ValueError(f"{model}: not a model directory or a .gguf file")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
@@ -119,6 +123,10 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     if args.defer_experts < 0:
         raise ValueError(f"--defer-experts must be >= 0, got {args.defer_experts}")
     return model, args.prompt
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
 
 
 def _streamer(tokenizer: Any, runtime: Any) -> Any:
@@ -170,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
             f"{model_dir}: no tokenizer files ({', '.join(tokenizer_files)}); generate needs the model's tokenizer"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if _is_gguf(model_dir):  # tokenizer files beside it, else the file's own tokenizer metadata
+            from ..models.gguf_model import load_gguf_tokenizer
+
+            tokenizer = load_gguf_tokenizer(model_dir)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{model_dir}: cannot load a tokenizer ({exc})") from None
     if args.dense_method:

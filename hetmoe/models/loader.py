@@ -74,6 +74,9 @@ def load_model(
 ) -> Any:
     """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
 
+    ``path``: a checkpoint directory or file, or a llama.cpp GGUF file (qwen2moe, qwen3moe, deepseek2:
+    config from its metadata, experts as stored in their ggml blocks, the rest dequantized;
+    models/gguf_model.py).
     ``method``: the experts' CPU precision: None runs them as stored (any method the engine runs:
     bf16, int8, int4 incl. Kimi-K2's, int4-asym, gptq, mxfp4, fp8, fp8-channel); ``"bf16"``,
     ``"int8"``, ``"int4"`` (or another engine method) convert layer by layer while loading
@@ -103,10 +106,14 @@ def load_model(
     directory = p if p.is_dir() else p.parent
     source = open_source(p)
     layout = moe_layout(read_config(p), source)
-    if layout.style == "gguf":
-        raise ValueError(f"{p}: load_model reads safetensors checkpoints; GGUF models are not supported yet")
+    gguf = None
+    if layout.style == "gguf":  # llama.cpp's metadata and names, seen as transformers' (gguf_model.py)
+        from .gguf_model import GGUFModel
+
+        gguf = GGUFModel(p, source, layout)
+        source, layout = gguf.source, gguf.layout
     adapter_cls = adapter_class(layout.model_type)  # aliases (kimi_k2) already resolved by the layout
-    config = _transformers_config(directory, adapter_cls)
+    config = gguf.config if gguf is not None else _transformers_config(directory, adapter_cls)
     adapter = adapter_cls(config)
     model_dtype = _model_dtype(dtype, config, source)
     dev = torch.device(device)
@@ -146,7 +153,8 @@ def load_model(
 
     model = _meta_model(config, model_dtype)
     stats = RuntimeStats(layout.num_experts, layout.top_k, layout.model_type, record_routing=record_routing is not None)
-    hybrids = _replace_blocks(model, adapter, layout, stats, model_dtype, dev)
+    modules = gguf.layers_prefix if gguf is not None else layout.prefix  # GGUF's blk.N: model.layers.N
+    hybrids = _replace_blocks(model, adapter, layout, stats, model_dtype, dev, modules)
     dense = None
     if dense_method is not None:
         keep_fp32 = _fp32_patterns(model, model_dtype)
@@ -268,12 +276,13 @@ def _replace_blocks(
     stats: RuntimeStats,
     dtype: torch.dtype,
     device: torch.device,
+    prefix: str,
 ) -> dict[int, HybridMoE]:
     try:
-        layers = model.get_submodule(layout.prefix)
+        layers = model.get_submodule(prefix)
     except AttributeError:
         name = type(model).__name__
-        raise ValueError(f"the {name} model has no {layout.prefix} (where the checkpoint's layers are)") from None
+        raise ValueError(f"the {name} model has no {prefix} (where the checkpoint's layers are)") from None
     hybrids: dict[int, HybridMoE] = {}
     for layer in layout.moe_layers:
         decoder = layers[layer]

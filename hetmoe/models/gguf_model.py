@@ -1,0 +1,570 @@
+"""A llama.cpp GGUF MoE model as load_model sees it: a transformers config and transformers names.
+
+A GGUF file has no ``config.json`` and names its tensors llama.cpp's way. :class:`GGUFModel` turns
+the ``{arch}.*`` metadata into the transformers config of the same model and presents the file as a
+:class:`TensorSource` whose non-expert tensors carry transformers names and come back dequantized
+(``hetmoe.formats.gguf`` decodes every block type; F32/F16/BF16 tensors are views of the file), while
+the routed experts keep their GGUF names and raw blocks, so ``read_layer_experts`` hands them to the
+CPU engine as stored (memory-mapped, one layer at a time, never dequantized as a whole).
+
+The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and ``src/models/*.cpp``:
+
+- GGUF lists dims fastest first; the reader (``checkpoint/gguf_file.py``) gives torch order, so a
+  Linear weight is ``[out, in]`` as in transformers, ``token_embd`` ``[vocab, hidden]`` and the
+  stacked experts ``ffn_{gate,up}_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``.
+- Only llama-architecture files permute the rows of ``attn_q``/``attn_k`` (``LlamaModel.permute``, for
+  ggml's interleaved rope); qwen2moe and qwen3moe keep transformers' order (neox rope), and
+  deepseek2 keeps the original DeepSeek order, which transformers reads with its interleaved rope.
+- ``output.weight`` absent means the embedding is tied to the output.
+- What the file does not say but llama.cpp's graph fixes: qwen3moe always renormalises the top-k
+  routing weights (``norm_w = true`` in ``qwen3moe.cpp``), qwen2moe never does (``false``); the
+  shared-expert gate of qwen2moe is stored as a vector ``[H]``.
+- deepseek2 (DeepSeek-V2/V3, Kimi-K2): newer files split ``kv_b_proj`` into ``attn_k_b``
+  (``[heads, kv_lora_rank, qk_nope]``, i.e. transposed per head) and ``attn_v_b``
+  (``[heads, v_head_dim, kv_lora_rank]``); both are put back together here. Sigmoid gating with
+  ``exp_probs_b`` is DeepSeek-V3 (``e_score_correction_bias``), softmax gating DeepSeek-V2.
+
+Anything the file holds that has no place in the transformers model, and anything the model needs
+that the file lacks, is an error naming the file and the tensor or metadata key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointError, TensorInfo, TensorSource
+from ..checkpoint.gguf_file import GGUFFile
+from ..checkpoint.layout import MoELayout
+from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_codec
+
+# Where transformers keeps the decoder layers of every architecture read here.
+MODULE_PREFIX = "model.layers"
+ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2")
+
+_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
+_EXPERT_LEAF = re.compile(r"^ffn_(?:gate|up|down|gate_up)_exps\.(?:weight|bias)$")
+
+# llama.cpp tensor names -> transformers names (``model.layers.N.`` + the value for blk.N.*).
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
+_QKV = {f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in ("q", "k", "v") for p in ("weight", "bias")} | {
+    "attn_output.weight": "self_attn.o_proj.weight"
+}
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_ROUTER = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+_DENSE_MLP = {f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+_QWEN2_SHARED = {f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")} | {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"
+}
+_DEEPSEEK_SHARED = {f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}
+_MLA = {
+    "attn_q.weight": "self_attn.q_proj.weight",  # no q_lora_rank (V2-Lite)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # older files; newer split it into k_b / v_b
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+
+
+class _Meta:
+    """The metadata of a GGUF file, read with the key (and file) named in every error."""
+
+    def __init__(self, file: GGUFFile, arch: str) -> None:
+        self.values = file.metadata
+        self.path = file.path
+        self.arch = arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str, what: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(self.path, f"GGUF metadata lacks {self.arch}.{key} ({what})")
+        return value
+
+    def count(self, key: str, what: str, default: int | None = None) -> int:
+        value = self.get(key, default) if default is not None else self.need(key, what)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise CheckpointError(self.path, f"{self.arch}.{key} ({what}) must be a positive integer, found {value!r}")
+        return int(value)
+
+    def number(self, key: str, what: str, default: float | None = None) -> float:
+        value = self.get(key, default) if default is not None else self.need(key, what)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise CheckpointError(self.path, f"{self.arch}.{key} ({what}) must be a finite number, found {value!r}")
+        return float(value)
+
+    def token_id(self, name: str) -> int | None:
+        value = self.values.get(f"tokenizer.ggml.{name}_token_id")
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One transformers tensor: read from ``parts`` (GGUF names), then ``build`` when it is not just
+    the one part (reshaped to ``shape``)."""
+
+    parts: tuple[str, ...]
+    shape: tuple[int, ...]
+    build: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+
+class GGUFTensors:
+    """A GGUF file under transformers names: non-expert tensors dequantized on ``get`` (F32/F16/BF16
+    as views of the file), routed-expert tensors passed through raw under their GGUF names."""
+
+    def __init__(self, raw: TensorSource, entries: dict[str, _Entry], experts: list[str]) -> None:
+        self.path = raw.path
+        self._raw = raw
+        self._entries = entries
+        self._experts = set(experts)
+
+    def keys(self) -> list[str]:
+        return [*self._entries, *sorted(self._experts)]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or name in self._experts
+
+    def info(self, name: str) -> TensorInfo:
+        if name in self._experts:
+            return self._raw.info(name)
+        entry = self._entry(name)
+        infos = [self._raw.info(p) for p in entry.parts]
+        stored = str(infos[0].dtype)
+        dtype = _FLOATS[stored] if len(infos) == 1 and stored in _FLOATS else torch.float32
+        return TensorInfo(name, dtype, entry.shape, sum(i.nbytes for i in infos), infos[0].file)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._experts:
+            return self._raw.get(name)
+        entry = self._entry(name)
+        parts = [self._decode(p) for p in entry.parts]
+        value = entry.build(parts) if entry.build is not None else parts[0]
+        return value.reshape(entry.shape)
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise CheckpointError(self.path, f"no tensor named {name!r}") from None
+
+    def _decode(self, key: str) -> torch.Tensor:
+        """A GGUF tensor as floats in its logical (torch-order) shape."""
+        info = self._raw.info(key)
+        raw = self._raw.get(key)
+        stored = str(info.dtype)
+        if stored in _FLOATS:
+            return raw.view(_FLOATS[stored]).reshape(info.shape)  # a view of the mapped file
+        try:
+            codec = get_codec(f"gguf:{stored.lower()}")
+        except UnknownMethodError as exc:
+            raise CheckpointError(info.file, f"tensor {key}: {exc}") from None
+        q = QuantizedTensor(codec.label(), tuple(info.shape), {".weight": raw}, {"ggml_type": stored})
+        try:
+            return codec.dequantize(q)
+        except FormatError as exc:
+            raise CheckpointError(info.file, f"tensor {key}: {exc}") from exc
+
+
+class GGUFModel:
+    """A GGUF MoE file ready for load_model: ``config`` (transformers), ``source`` (transformers names
+    for everything but the routed experts) and ``layout`` (the experts, as ``moe_layout`` found them)."""
+
+    layers_prefix = MODULE_PREFIX
+
+    def __init__(self, path: str | Path, source: TensorSource, layout: MoELayout) -> None:
+        self.path = Path(path)
+        file = _first_file(source)
+        arch = file.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                file.path,
+                f"general.architecture {arch!r}: load_model runs GGUF MoE models of architecture "
+                f"{', '.join(ARCHITECTURES)}; convert this one from its transformers checkpoint instead",
+            )
+        self.arch = str(arch)
+        self.meta = _Meta(file, self.arch)
+        self.tensors = {k: source.info(k) for k in source.keys()}
+        self._kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
+        builders = {"qwen2moe": self._qwen2moe, "qwen3moe": self._qwen3moe, "deepseek2": self._deepseek2}
+        fields, self._layer_names = builders[self.arch](layout)
+        self.config = _make_config(fields, file.path)
+        entries = self._entries(layout)
+        experts = [k for k in self.tensors if _is_expert(k)]
+        self.source = GGUFTensors(source, entries, experts)
+        self.layout = dataclasses.replace(layout, model_type=self.config.model_type)
+
+    # --- configuration -------------------------------------------------------------------------
+
+    def _common(self, layout: MoELayout) -> dict[str, Any]:
+        m = self.meta
+        hidden = m.count("embedding_length", "hidden_size")
+        heads = m.count("attention.head_count", "num_attention_heads")
+        embedding = self._shape("token_embd.weight", "the token embedding")
+        if len(embedding) != 2 or embedding[1] != hidden:
+            raise CheckpointError(
+                self.meta.path,
+                f"tensor token_embd.weight: expected shape [vocab, {hidden}] ({self.arch}.embedding_length), "
+                f"found {list(embedding)}",
+            )
+        return {
+            "vocab_size": embedding[0],
+            "hidden_size": hidden,
+            "num_hidden_layers": layout.num_layers,
+            "num_attention_heads": heads,
+            "max_position_embeddings": m.count("context_length", "max_position_embeddings"),
+            "rms_norm_eps": m.number("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
+            "num_experts_per_tok": layout.top_k,
+            "moe_intermediate_size": layout.intermediate_size,
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "bos_token_id": m.token_id("bos"),
+            "eos_token_id": m.token_id("eos"),
+            "pad_token_id": m.token_id("padding"),
+            "hidden_act": "silu",
+            "dtype": "bfloat16",
+        }
+
+    def _rope(self) -> dict[str, Any]:
+        m = self.meta
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.number("rope.freq_base", "rope_theta", 10000.0)}
+        kind = m.get("rope.scaling.type", "none")
+        if kind in ("none", None):
+            return rope
+        factor = m.number("rope.scaling.factor", "the rope scaling factor")
+        if kind == "linear":
+            return rope | {"rope_type": "linear", "factor": factor}
+        if kind == "yarn":
+            rope |= {
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": m.count("rope.scaling.original_context_length", "YaRN"),
+                "beta_fast": m.number("rope.scaling.yarn_beta_fast", "YaRN beta_fast", 32.0),
+                "beta_slow": m.number("rope.scaling.yarn_beta_slow", "YaRN beta_slow", 1.0),
+            }
+            return rope
+        raise CheckpointError(
+            m.path, f"{self.arch}.rope.scaling.type {kind!r}: only none, linear and yarn rope scaling are supported"
+        )
+
+    def _no_expert_scale(self) -> None:
+        scale = self.meta.get("expert_weights_scale")
+        if scale not in (None, 0.0, 1.0):
+            raise CheckpointError(
+                self.meta.path,
+                f"{self.arch}.expert_weights_scale={scale}: transformers' {self.arch} has no routed scaling factor",
+            )
+
+    def _attention(self, fields: dict[str, Any], head_dim: int) -> None:
+        """KV heads and head size, checked against what llama.cpp's qwen graphs assume."""
+        m = self.meta
+        heads = fields["num_attention_heads"]
+        fields["num_key_value_heads"] = m.count("attention.head_count_kv", "num_key_value_heads", heads)
+        value_dim = m.count("attention.value_length", "the value head size", head_dim)
+        rotary = m.count("rope.dimension_count", "the rotary dimensions", head_dim)
+        if value_dim != head_dim or rotary != head_dim:
+            raise CheckpointError(
+                m.path,
+                f"{self.arch}: key_length={head_dim}, value_length={value_dim}, rope.dimension_count={rotary}: "
+                "transformers' model needs all three equal",
+            )
+        fields["rope_parameters"] = self._rope()
+
+    def _qwen_layers(self, fields: dict[str, Any], layout: MoELayout) -> None:
+        dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
+        fields["decoder_sparse_step"] = 1
+        fields["mlp_only_layers"] = dense
+        if dense:
+            fields["intermediate_size"] = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
+
+    def _qwen3moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        fields = self._common(layout)
+        fields |= {"model_type": "qwen3_moe", "num_experts": layout.num_experts, "norm_topk_prob": True}
+        head_dim = self.meta.count(
+            "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
+        )
+        fields["head_dim"] = head_dim
+        self._attention(fields, head_dim)
+        fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        self._qwen_layers(fields, layout)
+        self._no_expert_scale()
+
+        def names(layer: int) -> dict[str, str]:
+            bias = fields["attention_bias"]
+            qkv = {k: v for k, v in _QKV.items() if bias or not k.endswith(".bias")}
+            mlp = _ROUTER if layer in layout.moe_layers else _DENSE_MLP
+            return _NORMS | qkv | _QK_NORM | mlp
+
+        return fields, names
+
+    def _qwen2moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        fields = self._common(layout)
+        fields |= {"model_type": "qwen2_moe", "num_experts": layout.num_experts, "norm_topk_prob": False}
+        head_dim = self.meta.count(
+            "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
+        )
+        fields["head_dim"] = head_dim
+        self._attention(fields, head_dim)
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in self.tensors
+        fields["use_sliding_window"] = False
+        self._qwen_layers(fields, layout)
+        self._no_expert_scale()
+        # llama.cpp takes this from expert_shared_feed_forward_length (else the dense width) and checks
+        # it against the tensors; the tensor is the one truth here.
+        shared = f"blk.{layout.moe_layers[0]}.ffn_up_shexp.weight"
+        fields["shared_expert_intermediate_size"] = self._shape(shared, "the shared expert")[0]
+
+        def names(layer: int) -> dict[str, str]:
+            qkv = {k: v for k, v in _QKV.items() if fields["qkv_bias"] or not k.endswith(".bias")}
+            mlp = _ROUTER | _QWEN2_SHARED if layer in layout.moe_layers else _DENSE_MLP
+            return _NORMS | qkv | mlp
+
+        return fields, names
+
+    def _deepseek2(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        m = self.meta
+        fields = self._common(layout)
+        heads = fields["num_attention_heads"]
+        rope_dim = m.count("rope.dimension_count", "qk_rope_head_dim")
+        # Since llama.cpp split kv_b_proj (MLA absorption), key/value_length describe the compressed
+        # MQA view and the *_mla keys the per-head sizes; older files only have the per-head ones.
+        if m.get("attention.key_length_mla") is not None:
+            key_dim = m.count("attention.key_length_mla", "qk_nope_head_dim + qk_rope_head_dim")
+            value_dim = m.count("attention.value_length_mla", "v_head_dim")
+        else:
+            key_dim = m.count("attention.key_length", "qk_nope_head_dim + qk_rope_head_dim")
+            value_dim = m.count("attention.value_length", "v_head_dim")
+        if key_dim <= rope_dim:
+            raise CheckpointError(
+                m.path, f"deepseek2: key length {key_dim} must exceed rope.dimension_count {rope_dim} (qk_nope > 0)"
+            )
+        q_lora = m.get("attention.q_lora_rank")
+        sigmoid = m.get("expert_gating_func") == 2  # llama.cpp: 1 softmax (the default of V2 files), 2 sigmoid
+        scale = m.number("expert_weights_scale", "routed_scaling_factor", 1.0) or 1.0  # 0: llama.cpp's "unset"
+        norm = bool(m.get("expert_weights_norm", False))
+        groups = m.count("expert_group_count", "n_group", 1)
+        groups_used = m.count("expert_group_used_count", "topk_group", 1)
+        sample = layout.moe_layers[0]
+        shared_rows = self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared experts")[0]
+        fields |= {
+            "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+            "num_key_value_heads": heads,  # the file says 1: llama.cpp's MQA view of MLA
+            "head_dim": rope_dim,
+            "q_lora_rank": int(q_lora) if q_lora else None,
+            "kv_lora_rank": m.count("attention.kv_lora_rank", "kv_lora_rank"),
+            "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": key_dim - rope_dim,
+            "v_head_dim": value_dim,
+            "n_routed_experts": layout.num_experts,
+            "n_shared_experts": m.count(
+                "expert_shared_count", "n_shared_experts", max(1, shared_rows // layout.intermediate_size)
+            ),
+            "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": scale,
+            "n_group": groups,
+            "topk_group": groups_used,
+            "norm_topk_prob": norm,
+            "rope_parameters": self._rope(),
+        }
+        mscale = m.get("rope.scaling.yarn_log_multiplier")
+        if fields["rope_parameters"]["rope_type"] == "yarn" and mscale:
+            # convert_hf_to_gguf writes 0.1 * mscale_all_dim here (its TAG_DEEPSEEK2_YARN_LOG_MUL_FIX);
+            # every DeepSeek/Kimi release has mscale == mscale_all_dim.
+            fields["rope_parameters"] |= {"mscale_all_dim": float(mscale) / 0.1, "mscale": float(mscale) / 0.1}
+        dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
+        width = m.get("feed_forward_length")
+        if dense:
+            width = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
+        if width:
+            fields["intermediate_size"] = int(width)
+        if sigmoid:
+            fields["rope_interleave"] = True  # llama.cpp's deepseek2 rope is the interleaved (GPT-J) one
+        else:
+            if norm:
+                raise CheckpointError(
+                    m.path,
+                    "deepseek2.expert_weights_norm=true with softmax gating: transformers' DeepSeek-V2 does not "
+                    "renormalise the top-k weights",
+                )
+            fields["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+        if dense and dense != list(range(fields["first_k_dense_replace"])):
+            raise CheckpointError(
+                m.path,
+                f"deepseek2: layers {dense[:8]} have no experts but leading_dense_block_count="
+                f"{fields['first_k_dense_replace']}",
+            )
+
+        def names(layer: int) -> dict[str, str]:
+            attention = {k: v for k, v in _MLA.items() if not k.startswith(("attn_q", "exp_probs_b"))}
+            if fields["q_lora_rank"]:
+                attention |= {k: v for k, v in _MLA.items() if k.startswith("attn_q_")}
+            else:
+                attention["attn_q.weight"] = _MLA["attn_q.weight"]
+            if layer not in layout.moe_layers:
+                return _NORMS | attention | _DENSE_MLP
+            mlp = _ROUTER | _DEEPSEEK_SHARED
+            if sigmoid:
+                mlp = mlp | {"exp_probs_b.bias": _MLA["exp_probs_b.bias"]}
+            return _NORMS | attention | mlp
+
+        self._kv_b_split = {
+            "heads": heads,
+            "nope": key_dim - rope_dim,
+            "value": value_dim,
+            "rank": fields["kv_lora_rank"],
+        }
+        return fields, names
+
+    # --- tensors -------------------------------------------------------------------------------
+
+    def _shape(self, key: str, what: str) -> tuple[int, ...]:
+        if key not in self.tensors:
+            raise CheckpointError(self.meta.path, f"missing tensor {key} ({what})")
+        return tuple(self.tensors[key].shape)
+
+    def _entries(self, layout: MoELayout) -> dict[str, _Entry]:
+        """Every non-expert tensor under its transformers name; the file must hold exactly these."""
+        wanted: dict[str, str] = {k: v for k, v in _GLOBAL.items() if k != "output.weight"}
+        if not self.config.tie_word_embeddings:
+            wanted["output.weight"] = _GLOBAL["output.weight"]
+        for layer in range(layout.num_layers):
+            for leaf, hf in self._layer_names(layer).items():
+                wanted[f"blk.{layer}.{leaf}"] = f"{MODULE_PREFIX}.{layer}.{hf}"
+        entries: dict[str, _Entry] = {}
+        consumed: set[str] = set()
+        for key, hf in wanted.items():
+            combined = self._combined(key)
+            if combined is not None:
+                entries[hf] = combined
+                consumed.update(combined.parts)
+                continue
+            if key not in self.tensors:
+                raise CheckpointError(
+                    self.meta.path, f"missing tensor {key} (transformers {hf}), which a {self.arch} model needs"
+                )
+            entries[hf] = _Entry((key,), self._hf_shape(key))
+            consumed.add(key)
+        extra = [k for k in self.tensors if k not in consumed and not _is_expert(k)]
+        if extra:
+            raise CheckpointError(
+                self.meta.path,
+                f"{len(extra)} tensors have no place in the transformers {self.config.model_type} model "
+                f"(an architecture variant hetmoe does not know), first: {extra[:5]}",
+            )
+        return entries
+
+    def _hf_shape(self, key: str) -> tuple[int, ...]:
+        shape = tuple(self.tensors[key].shape)
+        if key.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
+            return (1, shape[0])  # stored [H]; transformers' shared_expert_gate is a Linear(H, 1)
+        return shape
+
+    def _combined(self, key: str) -> _Entry | None:
+        """deepseek2's kv_b_proj when the file holds it split into attn_k_b and attn_v_b; None otherwise.
+
+        convert_hf_to_gguf views kv_b_proj ``[heads * (nope + v), rank]`` as ``[heads, nope + v, rank]``,
+        splits it into k_b ``[heads, nope, rank]`` and v_b ``[heads, v, rank]`` and stores k_b transposed
+        (``[heads, rank, nope]``); this undoes exactly that.
+        """
+        if not key.endswith(".attn_kv_b.weight") or key in self.tensors:
+            return None
+        stem = key.removesuffix("attn_kv_b.weight")
+        k_b, v_b = stem + "attn_k_b.weight", stem + "attn_v_b.weight"
+        missing = [k for k in (k_b, v_b) if k not in self.tensors]
+        if missing:
+            raise CheckpointError(
+                self.meta.path, f"missing tensor {key}, and of its split form {missing} (deepseek2 kv_b_proj)"
+            )
+        d = self._kv_b_split
+        heads, nope, value, rank = d["heads"], d["nope"], d["value"], d["rank"]
+        expected = {k_b: (heads, rank, nope), v_b: (heads, value, rank)}
+        for name, want in expected.items():
+            found = tuple(self.tensors[name].shape)
+            if found != want:
+                raise CheckpointError(
+                    self.meta.path,
+                    f"tensor {name}: expected shape {list(want)} (heads, kv_lora_rank, qk_nope_head_dim / "
+                    f"v_head_dim), found {list(found)}",
+                )
+
+        def join(parts: list[torch.Tensor]) -> torch.Tensor:
+            k, v = parts
+            return torch.cat([k.float().transpose(1, 2), v.float()], dim=1).reshape(heads * (nope + value), rank)
+
+        return _Entry((k_b, v_b), (heads * (nope + value), rank), join)
+
+
+def _is_expert(key: str) -> bool:
+    m = _BLOCK.match(key)
+    return m is not None and _EXPERT_LEAF.match(m["leaf"]) is not None
+
+
+def _first_file(source: TensorSource) -> GGUFFile:
+    """The file holding the metadata: the GGUF itself, or the first part of a split set."""
+    if isinstance(source, GGUFFile):
+        return source
+    files = getattr(source, "files", None)
+    if files and isinstance(files[0], GGUFFile):
+        return files[0]
+    raise CheckpointError(source.path, "not a GGUF file")
+
+
+def _make_config(fields: dict[str, Any], path: Path) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    model_type = fields.pop("model_type")
+    try:
+        return CONFIG_MAPPING[model_type](**fields)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(path, f"the {model_type} config built from the GGUF metadata is invalid: {exc}") from None
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a GGUF model: the tokenizer files beside it when there are any (they are the
+    model's own), else one built from the file's ``tokenizer.ggml.*`` metadata by transformers' GGUF
+    tokenizer conversion (byte-level BPE, sentencepiece and unigram vocabularies)."""
+    p = Path(path)
+    directory = p.parent
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if any((directory / f).exists() for f in _TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(str(directory))
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    try:
+        arch, vocabulary, settings = get_gguf_tokenizer(str(p))
+    except KeyError as exc:
+        raise CheckpointError(p, f"GGUF metadata lacks {exc}, needed for the tokenizer") from None
+    if "tokens" not in vocabulary:
+        raise CheckpointError(
+            p,
+            "GGUF metadata lacks tokenizer.ggml.tokens: no tokenizer in the file; put the model's "
+            "tokenizer.json beside it",
+        )
+    try:
+        backend, extra = convert_gguf_tokenizer(arch, vocabulary)
+    except ValueError as exc:
+        raise CheckpointError(p, f"cannot build a tokenizer from the GGUF metadata: {exc}") from None
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra)

@@ -1,0 +1,484 @@
+"""load_model on llama.cpp GGUF files, against transformers running the same weights.
+
+Each test builds a tiny random transformers model, writes it as llama.cpp's ``convert_hf_to_gguf.py``
+would (tensor names from the ``gguf`` package's own name map, the metadata keys and the deepseek2
+kv_b_proj split of the converter, every tensor quantized by ``gguf.quants.quantize``), and loads the
+model transformers sees when each of its tensors is replaced by ``gguf.quants.dequantize`` of the same
+bytes. hetmoe reads the file on its own (its config from the metadata, non-expert tensors through its
+GGUF decoders, routed experts straight into the CPU engine as Q8_0 / Q4_0 blocks).
+
+What is compared (``rel(a, b) = max|a - b| / max|b|`` over all logits):
+
+- float32 models: the same weights, so only summation order and the engine's int16 activation
+  quantization (its integer dot products with the Q8_0/Q4_0 codes) differ: rel <= 5e-5 (measured:
+  5e-7 to 1.1e-5, the most with DeepSeek's routed_scaling_factor 2.5); with the experts on the torch
+  fallback, which dequantizes exactly, rel <= 1e-6 (measured: 0, bit-identical to transformers).
+- the default bf16 model: transformers rounds to bf16 after every op and hetmoe's engine only at the
+  end of a layer, so neither is "the" answer (transformers' own bf16 run is ~1e-2 from fp32): hetmoe's
+  distance to the fp32 reference must be at most transformers' bf16 distance x 1.25 plus one bf16 ulp,
+  the rule tests/test_hybrid.py applies to safetensors checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+import gguf
+from gguf.quants import dequantize, quantize
+from tiny_models import tiny_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hetmoe import load_model
+from hetmoe.checkpoint import CheckpointError
+from hetmoe.cli.main import main
+from hetmoe.models.default import default_model_path
+from hetmoe.models.gguf_model import load_gguf_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+Q = gguf.GGMLQuantizationType
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}
+# Per MoE layer (alternating): the ggml types of gate, up and down.
+EXPERT_TYPES = [(Q.Q8_0, Q.Q4_0, Q.Q8_0), (Q.Q4_0, Q.Q8_0, Q.Q4_0)]
+# Non-expert tensors: norms and vectors F32 (as llama.cpp keeps them), these leaves as given, the rest Q8_0.
+LEAF_TYPES = {"attn_q": Q.F16, "attn_k": Q.BF16, "ffn_gate_inp": Q.F32, "attn_kv_a_mqa": Q.BF16}
+
+
+# DeepSeek-V3's rope scaling, shrunk to the tiny model's context (mscale == mscale_all_dim, as released).
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def tokens(vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits
+
+
+# --- writing a GGUF the way convert_hf_to_gguf.py does ---------------------------------------------
+
+
+def random_model(model_type: str, **overrides: Any) -> torch.nn.Module:
+    """A tiny random transformers model whose experts, norms and router biases are re-drawn, so that a
+    mix-up of gate and up, of two experts or of two norms changes the logits."""
+    fields = dict(overrides)
+    if model_type == "qwen3_moe":
+        fields.setdefault("norm_topk_prob", True)  # llama.cpp's qwen3moe graph always renormalises
+    if model_type.startswith("deepseek"):
+        fields.setdefault("head_dim", 8)  # = qk_rope_head_dim, as transformers' DeepSeek attention needs
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **fields), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if ".experts." in name:
+                p.copy_(0.02 * noise)
+            elif name.endswith("norm.weight"):  # transformers initialises every norm to ones
+                p.copy_(1 + 0.1 * noise)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * noise)
+    return model.eval()
+
+
+def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
+    """The ``{arch}.*`` keys convert_hf_to_gguf.py writes for this config (TextModel + the model class)."""
+    c = config
+    meta: dict[str, Any] = {
+        "block_count": c.num_hidden_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "rope.freq_base": float(c.rope_parameters["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
+        "expert_used_count": c.num_experts_per_tok,
+        "expert_feed_forward_length": c.moe_intermediate_size,
+    }
+    if arch in ("qwen2moe", "qwen3moe"):
+        meta["expert_count"] = c.num_experts
+        if getattr(c, "head_dim", None):
+            meta["attention.key_length"] = meta["attention.value_length"] = c.head_dim
+        if arch == "qwen2moe":
+            meta["expert_shared_feed_forward_length"] = c.shared_expert_intermediate_size
+        return meta
+    meta |= {
+        "attention.head_count_kv": 1,  # MLA as MQA
+        "leading_dense_block_count": c.first_k_dense_replace,
+        "vocab_size": c.vocab_size,
+        "attention.kv_lora_rank": c.kv_lora_rank,
+        "expert_count": c.n_routed_experts,
+        "expert_shared_count": c.n_shared_experts,
+        "expert_weights_scale": float(c.routed_scaling_factor),
+        "rope.dimension_count": c.qk_rope_head_dim,
+        "expert_group_count": c.n_group,
+        "expert_group_used_count": c.topk_group,
+    }
+    if c.q_lora_rank:
+        meta["attention.q_lora_rank"] = c.q_lora_rank
+    if split_kv_b:
+        meta["attention.key_length"] = c.kv_lora_rank + c.qk_rope_head_dim
+        meta["attention.value_length"] = c.kv_lora_rank
+        meta["attention.key_length_mla"] = c.qk_nope_head_dim + c.qk_rope_head_dim
+        meta["attention.value_length_mla"] = c.v_head_dim
+    else:  # files converted before llama.cpp split kv_b_proj
+        meta["attention.key_length"] = c.qk_nope_head_dim + c.qk_rope_head_dim
+        meta["attention.value_length"] = c.v_head_dim
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":  # TextModel writes the scaling, DeepseekV2Model the log multiplier
+        meta["rope.scaling.type"] = "yarn"
+        meta["rope.scaling.factor"] = float(rope["factor"])
+        meta["rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+        meta["rope.scaling.yarn_log_multiplier"] = 0.1 * rope["mscale_all_dim"]
+    if c.model_type == "deepseek_v3":
+        meta["expert_gating_func"] = 2  # sigmoid
+        if c.norm_topk_prob:
+            meta["expert_weights_norm"] = True
+    return meta
+
+
+def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
+    """(transformers module name + suffix, tensor) as the converter sees them: experts unfused and
+    stacked per projection, kv_b_proj split and k_b transposed, e_score_correction_bias renamed."""
+    config = model.config
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            inter = t.shape[1] // 2
+            stem = name.removesuffix("gate_up_proj")
+            out += [(stem + "gate_proj.weight", t[:, :inter]), (stem + "up_proj.weight", t[:, inter:])]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((name + ".weight", t))
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
+            heads, nope, value = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+            kv_b = t.view(heads, nope + value, t.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, value], dim=1)
+            out += [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)), (name.replace("kv_b", "v_b"), v_b)]
+        elif name.endswith("e_score_correction_bias"):
+            out.append((name.replace("e_score_correction_bias", "e_score_correction.bias"), t))
+        elif name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        else:
+            out.append((name, t))
+    return out
+
+
+def _ggml_type(gguf_name: str, t: torch.Tensor, moe_index: dict[int, int]) -> Any:
+    parts = gguf_name.split(".")
+    leaf = parts[-2] if len(parts) >= 2 else parts[0]
+    if leaf.endswith("_exps"):
+        types = EXPERT_TYPES[moe_index[int(parts[1])] % len(EXPERT_TYPES)]
+        return types[("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps").index(leaf)]
+    if t.dim() == 1 or leaf.endswith("_norm") or parts[-1] == "bias":
+        return Q.F32
+    if leaf in LEAF_TYPES:
+        return LEAF_TYPES[leaf]
+    return Q.Q8_0 if t.shape[-1] % 32 == 0 else Q.F16
+
+
+def write_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    split_kv_b: bool = True,
+    drop_tensors: tuple[str, ...] = (),
+    drop_keys: tuple[str, ...] = (),
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    arch: str | None = None,
+    tokenizer_dir: Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write ``model`` as a GGUF file; return the transformers state dict of what the file holds,
+    each tensor ``gguf.quants.dequantize`` of the bytes written (experts fused back as transformers
+    keeps them, kv_b_proj unsplit)."""
+    config = model.config
+    arch = arch or ARCH[config.model_type]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCH[config.model_type].upper()], config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in _metadata(config, ARCH[config.model_type], split_kv_b).items():
+        if key in drop_keys:
+            continue
+        full = f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(full, value)
+        elif isinstance(value, bool):
+            writer.add_bool(full, value)
+        elif isinstance(value, int):
+            writer.add_uint32(full, value)
+        else:
+            writer.add_float32(full, value)
+    if tokenizer_dir is not None:
+        _add_tokenizer(writer, tokenizer_dir)
+    moe_layers = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".experts." in n})
+    moe_index = {layer: i for i, layer in enumerate(moe_layers)}
+    state: dict[str, torch.Tensor] = {}
+    for hf_name, t in _hf_tensors(model, split_kv_b):
+        module, suffix = hf_name.rsplit(".", 1)
+        mapped = names.get_name(module)
+        assert mapped is not None, f"the gguf package has no llama.cpp name for {module}"
+        gguf_name = f"{mapped}.{suffix}"
+        shape = t.shape
+        if module.endswith("shared_expert_gate"):
+            t = t.reshape(-1)  # llama.cpp declares ffn_gate_inp_shexp as {n_embd}
+        qtype = _ggml_type(gguf_name, t, moe_index)
+        data = quantize(t.numpy(), qtype)
+        back = torch.from_numpy(np.ascontiguousarray(dequantize(data, qtype))).float().reshape(shape)
+        if gguf_name not in drop_tensors:
+            if qtype in (Q.F32, Q.F16):
+                writer.add_tensor(gguf_name, data)
+            else:
+                writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        state[hf_name] = back
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return _transformers_state(model, state)
+
+
+def _transformers_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The converter-side names back to transformers' state dict (what the reference model loads)."""
+    config = model.config
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_proj.weight"):
+            stem = name.removesuffix("gate_proj.weight")
+            out[stem + "gate_up_proj"] = torch.cat([t, state[stem + "up_proj.weight"]], dim=1)
+        elif name.endswith(".mlp.experts.down_proj.weight"):
+            out[name.removesuffix(".weight")] = t
+        elif name.endswith(".mlp.experts.up_proj.weight"):
+            continue
+        elif name.endswith(".k_b_proj.weight"):
+            heads, nope, value = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+            v_b = state[name.replace("k_b_proj", "v_b_proj")]
+            joined = torch.cat([t.transpose(1, 2), v_b], dim=1).reshape(heads * (nope + value), -1)
+            out[name.replace("k_b_proj", "kv_b_proj")] = joined
+        elif name.endswith(".v_b_proj.weight"):
+            continue
+        elif name.endswith("e_score_correction.bias"):
+            out[name.replace("e_score_correction.bias", "e_score_correction_bias")] = t
+        else:
+            out[name] = t
+    if config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def reference(model: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model of the same config running exactly the weights in the file."""
+    ref = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    ref.load_state_dict(state, strict=True)
+    return ref.to(dtype).eval()
+
+
+def _add_tokenizer(writer: Any, directory: Path) -> None:
+    """The byte-level BPE of ``directory`` as llama.cpp's ``_set_vocab_gpt2`` writes it."""
+    tj = json.loads((directory / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    control = {a["id"] for a in tj["added_tokens"] if a["special"]}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # the GPT-2 split regex, as this tokenizer's ByteLevel(use_regex) uses
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in control else 1 for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(vocab.get(settings["eos_token"], 2) if "eos_token" in settings else 2)
+    writer.add_pad_token_id(0)
+    if settings.get("chat_template"):
+        writer.add_chat_template(settings["chat_template"])
+
+
+# --- logits -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "split_kv_b"),
+    [
+        ("qwen3_moe", {}, True),
+        ("qwen3_moe", {"tie_word_embeddings": True}, True),
+        ("qwen2_moe", {}, True),
+        ("deepseek_v3", {}, True),
+        ("deepseek_v3", {"q_lora_rank": None}, False),
+        ("deepseek_v2", {"n_group": 1, "topk_group": 1}, True),
+        ("deepseek_v3", {"rope_parameters": YARN}, True),
+    ],
+    ids=["qwen3moe", "qwen3moe-tied", "qwen2moe", "deepseek2-v3", "deepseek2-v3-lite-kv_b", "deepseek2-v2", "yarn"],
+)
+def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_kv_b: bool, tmp_path: Path) -> None:
+    model = random_model(model_type, **overrides)
+    path = tmp_path / "model.gguf"
+    state = write_gguf(model, path, split_kv_b=split_kv_b)
+    ids = tokens()
+    want32 = logits(reference(model, state, torch.float32), ids)
+
+    ours = load_model(path, device="cpu", dtype=torch.float32)
+    assert ours.config.model_type == model_type
+    assert not [n for n, _ in ours.named_parameters() if ".experts." in n]  # experts only in the engine
+    runtime = ours.hetmoe
+    assert {runtime.layers[layer].cpu.gate.method for layer in runtime.layers} == {"gguf:q8_0", "gguf:q4_0"}
+    assert rel(logits(ours, ids), want32) <= 5e-5
+    # The experts on the torch fallback dequantize exactly: everything else is transformers' own math.
+    exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch")
+    assert rel(logits(exact, ids), want32) <= 1e-6
+
+    ours16 = load_model(path, device="cpu")  # the default: the model in bf16
+    assert ours16.dtype == torch.bfloat16
+    theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
+    got16 = rel(logits(ours16, ids), want32)
+    assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+
+
+def test_config_from_metadata_matches_the_model(tmp_path: Path) -> None:
+    """The transformers config rebuilt from the metadata has every size of the original."""
+    model = random_model("deepseek_v3")
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path)
+    got = load_model(path, dtype=torch.float32).config
+    want = model.config
+    fields = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "n_shared_experts",
+        "num_experts_per_tok",
+        "first_k_dense_replace",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ]
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert got.rope_parameters["rope_theta"] == want.rope_parameters["rope_theta"]
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-7)  # GGUF stores it as float32
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_missing_tensor_names_the_file_and_key(tmp_path: Path) -> None:
+    model = random_model("qwen3_moe")
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, drop_tensors=("blk.1.attn_k_norm.weight",))
+    with pytest.raises(CheckpointError, match=r"m\.gguf: missing tensor blk\.1\.attn_k_norm\.weight"):
+        load_model(path)
+
+
+def test_missing_metadata_names_the_file_and_key(tmp_path: Path) -> None:
+    model = random_model("qwen3_moe")
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, drop_keys=("attention.head_count",))
+    with pytest.raises(CheckpointError, match=r"m\.gguf: GGUF metadata lacks qwen3moe\.attention\.head_count"):
+        load_model(path)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    model = random_model("qwen3_moe")
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, arch="olmoe")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture 'olmoe'.*qwen3moe"):
+        load_model(path)
+
+
+def test_tensor_without_a_place_in_the_model_is_an_error(tmp_path: Path) -> None:
+    model = random_model("qwen3_moe")
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
+    with pytest.raises(CheckpointError, match=r"m\.gguf: 1 tensors have no place.*blk\.0\.attn_sinks\.weight"):
+        load_model(path)
+
+
+# --- tokenizer and the CLI ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_gguf(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], torch.nn.Module]:
+    """The embedded default model (a 4-layer Qwen3-MoE with its own byte-level BPE) as a GGUF file with
+    its tokenizer in the metadata and no tokenizer files beside it."""
+    source = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("default-gguf") / "default.gguf"
+    state = write_gguf(model, path, tokenizer_dir=source)
+    return path, state, model
+
+
+def test_tokenizer_from_gguf_metadata_round_trips(default_gguf) -> None:
+    path, _, _ = default_gguf
+    ours = load_gguf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(default_model_path()))
+    text = (default_model_path() / "heldout.txt").read_text()[:4000]
+    text += " <|im_start|>user\nhéllo wörld 12345  \t x<|im_end|>"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.decode(ours(text)["input_ids"]) == text
+    assert ours.convert_tokens_to_ids("<|im_start|>") == 1 and ours.eos_token == "<|im_end|>"
+    assert ours.chat_template == theirs.chat_template
+
+
+def test_tokenizer_files_beside_the_gguf_are_preferred(default_gguf, tmp_path: Path) -> None:
+    path, _, _ = default_gguf
+    local = tmp_path / "model.gguf"
+    shutil.copy(path, local)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path() / name, tmp_path / name)
+    tok = load_gguf_tokenizer(local)
+    assert tok.name_or_path == str(tmp_path)
+    assert (
+        tok("def f(x):")["input_ids"]
+        == AutoTokenizer.from_pretrained(str(default_model_path()))("def f(x):")["input_ids"]
+    )
+
+
+def test_generate_cli_runs_a_gguf_file(default_gguf, capsys) -> None:
+    path, state, model = default_gguf
+    prompt = "def fibonacci(n):"
+    argv = ["generate", str(path), prompt, "--max-new-tokens", "8", "--dtype", "float32", "--threads", "1"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "routed experts gguf:" in err
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    ref = reference(model, state, torch.float32)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.rstrip("\n") == tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
