@@ -12,6 +12,7 @@
 #include "linear_engine.h"
 #include "measure.h"
 #include "moe_engine.h"
+#include "norms.h"
 
 namespace py = pybind11;
 using namespace hetmoe;
@@ -137,6 +138,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("threads"), py::arg("seconds") = 0.5, "GFLOP/s of fp32 FMA with the selected variant");
   m.def("set_num_threads", &set_pool_threads, py::arg("threads"));
   m.def("num_threads", &pool_threads);
+  m.def("set_idle_spin_us", &ThreadPool::set_idle_spin_us, py::arg("us"));
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, uintptr_t w, uintptr_t y, int dtype, int64_t rows, int64_t cols, float eps, int mode) {
+        // Shapes, dtypes and contiguity are checked in Python (hetmoe/models/fused_norms.py).
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("rms_norm: dtype must be 0 (fp32) or 1 (bf16)");
+        if (mode < kNormCastThenScale || mode > kNormOffsetScale) throw py::value_error("rms_norm: unknown mode");
+        if (rows < 0 || cols <= 0) throw py::value_error("rms_norm: rows must be >= 0 and cols > 0");
+        py::gil_scoped_release release;
+        rms_norm(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(w), reinterpret_cast<void*>(y), dtype,
+                 rows, cols, eps, mode);
+      },
+      py::arg("x"), py::arg("w"), py::arg("y"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("eps"),
+      py::arg("mode"));
+  m.def("idle_spin_us", &ThreadPool::idle_spin_us);
 
   py::class_<MoEEngine>(m, "MoEEngine")
       .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,
@@ -161,6 +177,16 @@ PYBIND11_MODULE(_C, m) {
           "submit",
           [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
              uintptr_t y, uintptr_t skip) {
+            // An id out of range would index past the weights: refused here, before the job exists
+            // (a plain loop: cheaper than the four torch ops the same check costs in Python).
+            const int64_t* id = reinterpret_cast<const int64_t*>(ids);
+            for (int64_t i = 0, n = int64_t(tokens) * topk; i < n; ++i) {
+              if (id[i] < -1 || id[i] >= e.experts()) {
+                throw py::value_error("topk_ids: expected ids in [-1, " + std::to_string(e.experts()) + "), found " +
+                                      std::to_string(id[i]) + " at [" + std::to_string(i / topk) + ", " +
+                                      std::to_string(i % topk) + "]");
+              }
+            }
             py::gil_scoped_release release;
             return e.submit(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids),
                             topk, reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),

@@ -182,14 +182,20 @@ void ThreadPool::help_until(const Job& job) {
   }
 }
 
+void ThreadPool::set_idle_spin_us(int us) { idle_spin_us_.store(std::max(0, us), std::memory_order_relaxed); }
+
 void ThreadPool::worker_main(int id, int cpu) {
   pin_to(cpu);
   uint64_t seen = 0;
+  auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
-    // While a job runs, spin briefly for its next phase; with no job, sleep at once.
-    const auto spin_until = std::chrono::steady_clock::now() + kPhaseSpin;
-    while (generation_.load(std::memory_order_acquire) == seen && busy_.load(std::memory_order_relaxed) &&
-           std::chrono::steady_clock::now() < spin_until) {
+    // While a job runs, spin briefly for its next phase; after one, spin for idle_spin_us for the
+    // next job (0 by default: sleep at once).
+    const auto phase_until = std::chrono::steady_clock::now() + kPhaseSpin;
+    const auto idle_until = idle_since + std::chrono::microseconds(idle_spin_us_.load(std::memory_order_relaxed));
+    while (generation_.load(std::memory_order_acquire) == seen) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= (busy_.load(std::memory_order_relaxed) ? phase_until : idle_until)) break;
       for (int i = 0; i < 16; ++i) cpu_relax();
     }
     std::shared_ptr<PhaseState> st;
@@ -202,6 +208,7 @@ void ThreadPool::worker_main(int id, int cpu) {
     }
     if (!st) continue;
     run_items(st, id);
+    idle_since = std::chrono::steady_clock::now();
   }
 }
 

@@ -65,6 +65,9 @@ class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
   void submit(std::shared_ptr<Job> job);
   // Runs items of whatever phase is published until `job` is finished (Job::wait calls this).
   void help_until(const Job& job);
+  // Microseconds workers spin after a job for the next one before they sleep (0: at once).
+  static void set_idle_spin_us(int us);
+  static int idle_spin_us() { return idle_spin_us_.load(std::memory_order_relaxed); }
 
  private:
   // One published phase: immutable but for its counters, so a worker that still holds the
@@ -85,6 +88,7 @@ class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
   void advance(const std::shared_ptr<PhaseState>& done);       // the last item of a phase finished
 
   int threads_;
+  static inline std::atomic<int> idle_spin_us_{0};
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -16,6 +16,7 @@ from hetmoe.formats import QuantizedTensor, get_codec, snr_db
 from hetmoe.kernels import select_isa
 from hetmoe.kernels.dispatch import engine_module
 from hetmoe.runtime.cpu_linear import CPULinear
+from hetmoe.runtime.fused_linears import FusedSlice
 
 N, K = 200, 640  # N is not a multiple of the 24-row panels (tails exercised); K a multiple of 128
 FP32_BOUND = {"bf16": 1e-5, "fp8": 1e-5, "fp8-channel": 1e-5}
@@ -161,9 +162,12 @@ def test_load_model_dense_int8_close_to_bf16_and_generates(tiny_cache) -> None:
     path = tiny_cache.model("qwen3_moe")
     ref = load_model(path)
     model = load_model(path, dense_method="int8")
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, CPULinear)}
+    # q/k/v run fused (fused_linears.py): each stands as a FusedSlice of one CPULinear
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, CPULinear | FusedSlice)}
+    linears = {n: m for n, m in linears.items() if not n.endswith("fused_qkv_proj.linear")}
     expected = {n for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(linears) == expected and "lm_head" in linears
+    assert isinstance(linears["model.layers.0.self_attn.k_proj"], FusedSlice)
     assert all(m.method == "int8" for m in linears.values())
     ref_modules = dict(ref.named_modules())
     snr = min(snr_db(ref_modules[n].weight.float(), m.dequantized()) for n, m in linears.items())
@@ -184,10 +188,13 @@ def test_load_model_dense_keeps_what_the_engine_cannot_run(tiny_cache) -> None:
     from hetmoe import load_model
 
     model = load_model(tiny_cache.model("qwen2_moe"), dense_method="int4", dense_group_size=32)
-    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear | CPULinear)}
+    kinds = {
+        n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear | CPULinear | FusedSlice)
+    }
     assert kinds["model.layers.0.mlp.shared_expert.down_proj"] == "Linear"
     assert kinds["model.layers.0.mlp.shared_expert_gate"] == "Linear"
-    assert kinds["model.layers.0.self_attn.q_proj"] == "CPULinear"
+    assert kinds["model.layers.0.self_attn.q_proj"] == "FusedSlice"  # of q/k/v's one CPULinear
+    assert kinds["model.layers.0.self_attn.o_proj"] == "CPULinear"
     assert any("in_features 48 is not a multiple of 32" in n for n in model.hetmoe.notes)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     assert math.isfinite(float(_logits(model, ids).sum()))

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..formats import QuantizedTensor
 from ..runtime.cpu_linear import CPULinear, check_method, quantize_weight, unsupported_reason
+from ..runtime.fused_linears import fuse_siblings
 
 
 class DenseConverter:
@@ -34,9 +35,11 @@ class DenseConverter:
         moe_blocks: list[nn.Module],
         keep_fp32: list[re.Pattern[str]],
         gemv_max_tokens: int = 4,
+        fuse: bool = True,
     ) -> None:
         check_method(method, "dense_method")
         self.method, self.group_size, self.gemv_max_tokens = method, group_size, gemv_max_tokens
+        self.fuse = fuse  # sibling projections (q/k/v, gate/up) as one engine call: fused_linears.py
         routers = {id(child) for block in moe_blocks for child in block.children() if isinstance(child, nn.Linear)}
         self.targets: dict[str, nn.Linear] = {}
         self.skipped: dict[str, str] = {}
@@ -72,6 +75,10 @@ class DenseConverter:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, linear)
         notes = []
+        if self.fuse:
+            fused = fuse_siblings(model)
+            if fused:
+                notes.append(f"dense layers: {fused} sets of sibling projections (q/k/v, gate/up) run as one call each")
         if self.skipped:
             first = next(iter(self.skipped.items()))
             notes.append(

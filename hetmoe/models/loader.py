@@ -42,6 +42,7 @@ from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
 from .dense_engine import DenseConverter
+from .fused_norms import fuse_rms_norms
 from .planner import plan_memory
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -181,6 +182,7 @@ def load_model(
     model.requires_grad_(False)
     if dev.type == "cpu":
         use_cpu_attention(model)  # torch's CPU SDPA is slow for one-token queries (cpu_attention.py)
+        fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
     _load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(

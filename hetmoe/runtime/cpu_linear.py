@@ -108,6 +108,7 @@ class CPULinear(nn.Module):
         self.bias_f32 = bias
         if gemv_max_tokens < 0:
             raise ValueError(f"gemv_max_tokens: expected >= 0, found {gemv_max_tokens}")
+        self.gemv_max_tokens = int(gemv_max_tokens)
         proj = engine_projection(_stacked(q), "weight")
         self.note = proj.note  # a GGUF type without a native kernel is transcoded: what to and at what SNR
         # Everything the engine holds a pointer to must outlive it.

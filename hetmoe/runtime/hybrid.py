@@ -240,9 +240,11 @@ class HybridMoE(nn.Module):
         return routed if shared is None else routed + shared
 
     def _count(self, ids: torch.Tensor) -> None:
+        # ids come from the router's top-k: every one is an expert index (no -1 here).
         flat = ids.reshape(-1)
-        on_cpu = flat[(flat >= 0) & ~self._device_mask[flat.clamp(min=0)]]
-        self.cpu_counts += torch.bincount(on_cpu, minlength=self.cpu_counts.numel())
+        if len(self.device_experts or ()):
+            flat = flat[~self._device_mask[flat]]
+        self.cpu_counts += torch.bincount(flat, minlength=self.cpu_counts.numel())
 
     def _maybe_replace(self, ids: torch.Tensor) -> None:
         if not self.replace_every or not len(self.device_experts or ()):
