@@ -1,15 +1,16 @@
-// A persistent pool of pinned worker threads that runs jobs made of phases of independent items.
+// A persistent pool of worker threads that runs jobs made of phases of independent items.
 //
 // A job is a sequence of phases; each phase has a number of items that workers claim with an
 // atomic counter, and a phase starts only when every item of the previous one is finished.
 //
-// A pool of N threads is N - 1 pinned workers plus whoever waits: submit() returns at once (the
+// A pool of N threads is N - 1 workers plus whoever waits: submit() returns at once (the
 // caller is free to drive a GPU or run Python meanwhile, while the workers start), and wait()
 // runs items of the published phases on the waiting thread until its job is done. The caller is
 // the N-th participant because it is runnable anyway: with N workers on N cores it would wait on
 // a futex and, on wake-up, compete for a core with a worker; and a sleeping waiter costs a wake-up
 // at the end of every job (measured: one decode step of a 4-layer model, 21 jobs, 18.2 -> 14.4 ms).
-// Workers are pinned to all but the first allowed CPU, which the caller's thread is left to use.
+// Workers keep off the CPU the caller last ran on (their affinity is every other allowed CPU,
+// updated when the caller moves), so the caller and the workers never share a core.
 // Between the phases of a job workers spin briefly (phases follow each other within microseconds);
 // once no job is running they sleep on a condition variable at once, so an idle pool takes no CPU.
 #pragma once
@@ -80,7 +81,8 @@ class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
     std::atomic<int> finished{0};
   };
 
-  void worker_main(int id, int cpu);
+  void worker_main(int id);
+  void note_caller_cpu();  // records the CPU the calling thread runs on
   // Claims and runs items of `st` until none is left; true if this thread ran any.
   bool run_items(const std::shared_ptr<PhaseState>& st, int id);
   void drain();  // runs every submitted job to completion on this thread's behalf
@@ -88,6 +90,8 @@ class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
   void advance(const std::shared_ptr<PhaseState>& done);       // the last item of a phase finished
 
   int threads_;
+  std::vector<int> cpus_;               // the CPUs this process may run on
+  std::atomic<int> caller_cpu_{-1};     // where the submitting / waiting thread last ran
   static inline std::atomic<int> idle_spin_us_{0};
   std::vector<std::thread> workers_;
   std::mutex mu_;

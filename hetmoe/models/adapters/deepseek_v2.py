@@ -4,11 +4,10 @@ top-k, scaled by routed_scaling_factor; ungated shared experts."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
-from .routing import softmax_group_limited_topk
+from .routing import router_logits, softmax_group_limited_topk
 
 
 class DeepseekV2Adapter(MoEAdapter):
@@ -17,7 +16,7 @@ class DeepseekV2Adapter(MoEAdapter):
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        logits = F.linear(x.float(), block.gate.weight.float())
+        logits = router_logits(x, block.gate.weight, fp32=True)
         method = getattr(c, "topk_method", "greedy") or "greedy"
         return softmax_group_limited_topk(
             logits, self.top_k(), method, c.n_group, c.topk_group, float(c.routed_scaling_factor)

@@ -5,18 +5,17 @@ groups, renormalised (norm_topk_prob) and scaled by routed_scaling_factor; ungat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
-from .routing import sigmoid_grouped_topk
+from .routing import router_logits, sigmoid_grouped_topk
 
 
 def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeepSeek-V3 router on ``block.gate`` (weight and e_score_correction_bias)."""
     c = adapter.config
     gate = block.gate
-    logits = F.linear(x.float(), gate.weight.float())
+    logits = router_logits(x, gate.weight, fp32=True)
     return sigmoid_grouped_topk(
         logits,
         gate.e_score_correction_bias,

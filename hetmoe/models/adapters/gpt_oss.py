@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import Activation, MoEAdapter
-from .routing import topk_softmax
+from .routing import router_logits, topk_softmax
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -31,7 +30,7 @@ class GptOssAdapter(MoEAdapter):
     returns_router_scores = True
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, block.router.weight, block.router.bias)
+        logits = router_logits(x, block.router.weight, block.router.bias)
         return topk_softmax(logits, self.top_k())
 
     @property

@@ -5,11 +5,10 @@ router) deciding the choice, renormalised unbiased scores as weights. Checkpoint
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
-from .routing import sigmoid_biased_topk
+from .routing import router_logits, sigmoid_biased_topk
 
 
 class MiniMaxM2Adapter(MoEAdapter):
@@ -19,5 +18,5 @@ class MiniMaxM2Adapter(MoEAdapter):
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = block.gate.weight
-        logits = F.linear(x.to(weight.dtype), weight)
+        logits = router_logits(x.to(weight.dtype), weight)
         return sigmoid_biased_topk(logits, block.e_score_correction_bias, self.top_k())

@@ -4,11 +4,10 @@ block ``block_sparse_moe`` (transformers 5 calls it ``mlp``)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
-from .routing import softmax_topk
+from .routing import router_logits, softmax_topk
 
 
 class MixtralAdapter(MoEAdapter):
@@ -17,5 +16,5 @@ class MixtralAdapter(MoEAdapter):
     checkpoint_renames = ((".mlp.", ".block_sparse_moe."),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, block.gate.weight)
+        logits = router_logits(x, block.gate.weight)
         return softmax_topk(logits, self.top_k(), True, None)

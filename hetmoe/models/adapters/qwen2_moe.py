@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
-from .routing import softmax_topk
+from .routing import router_logits, softmax_topk
 
 
 def gated_shared_expert(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,7 @@ class Qwen2MoeAdapter(MoEAdapter):
     block_classes = ("Qwen2MoeSparseMoeBlock",)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, block.gate.weight)
+        logits = router_logits(x, block.gate.weight)
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
-from .routing import softmax_topk
+from .routing import router_logits, softmax_topk
 
 
 class Qwen3MoeAdapter(MoEAdapter):
@@ -15,5 +14,5 @@ class Qwen3MoeAdapter(MoEAdapter):
     block_classes = ("Qwen3MoeSparseMoeBlock",)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, block.gate.weight)
+        logits = router_logits(x, block.gate.weight)
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)

@@ -4,12 +4,11 @@ behind hybrid linear/full attention layers that hetmoe leaves to transformers.""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import MoEAdapter
 from .qwen2_moe import gated_shared_expert
-from .routing import softmax_topk
+from .routing import router_logits, softmax_topk
 
 
 class Qwen3NextAdapter(MoEAdapter):
@@ -17,7 +16,7 @@ class Qwen3NextAdapter(MoEAdapter):
     block_classes = ("Qwen3NextSparseMoeBlock",)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, block.gate.weight)
+        logits = router_logits(x, block.gate.weight)
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
