@@ -152,6 +152,19 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("w"), py::arg("y"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("eps"),
       py::arg("mode"));
+  m.def(
+      "rope",
+      [](uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype, int64_t batch, int64_t heads,
+         int64_t tokens, int64_t dim, bool cos_batched) {
+        // Shapes, dtypes and contiguity are checked in Python (hetmoe/models/fused_rope.py).
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("rope: dtype must be 0 (fp32) or 1 (bf16)");
+        if (batch < 0 || heads < 0 || tokens < 0 || dim <= 0 || dim % 2) throw py::value_error("rope: bad shape");
+        py::gil_scoped_release release;
+        rope(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
+             reinterpret_cast<void*>(out), dtype, batch, heads, tokens, dim, cos_batched);
+      },
+      py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("dtype"), py::arg("batch"),
+      py::arg("heads"), py::arg("tokens"), py::arg("dim"), py::arg("cos_batched"));
   m.def("idle_spin_us", &ThreadPool::idle_spin_us);
 
   py::class_<MoEEngine>(m, "MoEEngine")

@@ -53,4 +53,47 @@ void rms_norm(const void* x, const void* w, void* y, int dtype, int64_t rows, in
   }
 }
 
+template <typename T, typename Load, typename Store>
+void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t batch, int64_t heads, int64_t tokens,
+               int64_t dim, bool cos_batched, Load load, Store store) {
+  const int64_t half = dim / 2;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < tokens; ++t) {
+        const size_t row = ((size_t(b) * heads + h) * tokens + t) * dim;
+        const size_t cs = ((cos_batched ? size_t(b) : 0) * tokens + t) * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float rot = j < half ? -load(x[row + j + half]) : load(x[row + j - half]);
+          out[row + j] = store(store(load(x[row + j]) * load(cos[cs + j])) + store(rot * load(sin[cs + j])));
+        }
+      }
+}
+
+void rope(const void* x, const void* cos, const void* sin, void* out, int dtype, int64_t batch, int64_t heads,
+          int64_t tokens, int64_t dim, bool cos_batched) {
+  if (dtype == kBF16Data) {
+    // store() rounds to bf16 and returns the rounded value as float, so each operation rounds once
+    auto load = [](float v) { return v; };
+    std::vector<float> xf, cf, sf;  // widened once: the rows are short
+    const size_t n = size_t(batch) * heads * tokens * dim, nc = size_t(cos_batched ? batch : 1) * tokens * dim;
+    xf.resize(n);
+    cf.resize(nc);
+    sf.resize(nc);
+    for (size_t i = 0; i < n; ++i) xf[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
+    for (size_t i = 0; i < nc; ++i) {
+      cf[i] = bf16_to_f32(static_cast<const uint16_t*>(cos)[i]);
+      sf[i] = bf16_to_f32(static_cast<const uint16_t*>(sin)[i]);
+    }
+    std::vector<float> of(n);
+    rope_rows(xf.data(), cf.data(), sf.data(), of.data(), batch, heads, tokens, dim, cos_batched, load,
+              [](float v) { return round_bf16(v); });
+    uint16_t* o = static_cast<uint16_t*>(out);
+    for (size_t i = 0; i < n; ++i) o[i] = engine::f32_to_bf16(of[i]);  // exact: already bf16 values
+  } else {
+    rope_rows(static_cast<const float*>(x), static_cast<const float*>(cos), static_cast<const float*>(sin),
+              static_cast<float*>(out), batch, heads, tokens, dim, cos_batched, [](float v) { return v; },
+              [](float v) { return v; });
+  }
+}
+
 }  // namespace hetmoe

@@ -1,4 +1,4 @@
-// Fused RMSNorm for the CPU inference path: one call instead of the ~7 eager ops transformers'
+// Fused RMSNorm and rotary embedding for the CPU inference path: one call instead of the ~7 eager ops transformers'
 // norm modules issue (a decode step of a 4-layer model runs 17 of them). Baseline x86-64 code:
 // it is short rows of arithmetic, not worth an ISA variant.
 #pragma once
@@ -16,5 +16,11 @@ enum NormMode : int {
 
 // x, w, y in one dtype (0 fp32, 1 bf16, as DType); rows of `cols` contiguous elements.
 void rms_norm(const void* x, const void* w, void* y, int dtype, int64_t rows, int64_t cols, float eps, int mode);
+
+// Rotary embedding as transformers' apply_rotary_pos_emb computes it: out = x * cos + rotate_half(x)
+// * sin, with rotate_half(x) = cat(-x[D/2:], x[:D/2]); in bf16 each of the three operations rounds
+// (as torch's eager ops do), in fp32 none is fused. x, out: [B, H, T, D]; cos, sin: [B or 1, T, D].
+void rope(const void* x, const void* cos, const void* sin, void* out, int dtype, int64_t batch, int64_t heads,
+          int64_t tokens, int64_t dim, bool cos_batched);
 
 }  // namespace hetmoe

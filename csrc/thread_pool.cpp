@@ -191,6 +191,14 @@ void ThreadPool::help_until(const Job& job) {
   }
 }
 
+int ThreadPool::default_idle_spin_us() {
+  const char* env = std::getenv("HETMOE_IDLE_SPIN_US");
+  if (env == nullptr || *env == '\0') return 500;
+  char* end = nullptr;
+  const long us = std::strtol(env, &end, 10);
+  return (end != nullptr && *end == '\0' && us >= 0 && us <= 1000000) ? int(us) : 500;  // bad values: the default
+}
+
 void ThreadPool::set_idle_spin_us(int us) { idle_spin_us_.store(std::max(0, us), std::memory_order_relaxed); }
 
 void ThreadPool::worker_main(int id) {
@@ -198,8 +206,7 @@ void ThreadPool::worker_main(int id) {
   uint64_t seen = 0;
   auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
-    // While a job runs, spin briefly for its next phase; after one, spin for idle_spin_us for the
-    // next job (0 by default: sleep at once).
+    // While a job runs, spin briefly for its next phase; after one, spin idle_spin_us for the next.
     const auto phase_until = std::chrono::steady_clock::now() + kPhaseSpin;
     const auto idle_until = idle_since + std::chrono::microseconds(idle_spin_us_.load(std::memory_order_relaxed));
     while (generation_.load(std::memory_order_acquire) == seen) {

@@ -52,6 +52,14 @@ def set_num_threads(threads: int) -> None:
     engine_module().set_num_threads(threads)
 
 
+def set_idle_spin_us(us: int) -> None:
+    """How long (microseconds) the engine's workers spin for the next job before sleeping; default
+    500 (or ``HETMOE_IDLE_SPIN_US``), 0 to sleep at once. Spinning is off the caller's CPU."""
+    if not 0 <= us <= 1_000_000:
+        raise ValueError(f"idle spin must be in [0, 1000000] microseconds, got {us}")
+    engine_module().set_idle_spin_us(int(us))
+
+
 def isa_report() -> dict[str, Any]:
     """CPU features as the engine sees them, the best and the selected variant."""
     try:

@@ -43,6 +43,7 @@ from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
 from .dense_engine import DenseConverter
 from .fused_norms import fuse_rms_norms
+from .fused_rope import fuse_rotary
 from .planner import plan_memory
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -183,6 +184,7 @@ def load_model(
     if dev.type == "cpu":
         use_cpu_attention(model)  # torch's CPU SDPA is slow for one-token queries (cpu_attention.py)
         fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
+        fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
     _load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(
