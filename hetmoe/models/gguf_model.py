@@ -287,6 +287,17 @@ class GGUFModel:
             )
         fields["rope_parameters"] = self._rope()
 
+    def _qwen_fields(self, layout: MoELayout, model_type: str, norm_topk_prob: bool) -> dict[str, Any]:
+        """What Qwen2-MoE and Qwen3-MoE configs share: sizes, experts, heads and head size."""
+        fields = self._common(layout)
+        fields |= {"model_type": model_type, "num_experts": layout.num_experts, "norm_topk_prob": norm_topk_prob}
+        head_dim = self.meta.count(
+            "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
+        )
+        fields["head_dim"] = head_dim
+        self._attention(fields, head_dim)
+        return fields
+
     def _qwen_layers(self, fields: dict[str, Any], layout: MoELayout) -> None:
         dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
         fields["decoder_sparse_step"] = 1
@@ -295,13 +306,7 @@ class GGUFModel:
             fields["intermediate_size"] = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
 
     def _qwen3moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        fields = self._common(layout)
-        fields |= {"model_type": "qwen3_moe", "num_experts": layout.num_experts, "norm_topk_prob": True}
-        head_dim = self.meta.count(
-            "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
-        )
-        fields["head_dim"] = head_dim
-        self._attention(fields, head_dim)
+        fields = self._qwen_fields(layout, "qwen3_moe", norm_topk_prob=True)
         fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
         self._qwen_layers(fields, layout)
         self._no_expert_scale()
@@ -315,13 +320,7 @@ class GGUFModel:
         return fields, names
 
     def _qwen2moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        fields = self._common(layout)
-        fields |= {"model_type": "qwen2_moe", "num_experts": layout.num_experts, "norm_topk_prob": False}
-        head_dim = self.meta.count(
-            "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
-        )
-        fields["head_dim"] = head_dim
-        self._attention(fields, head_dim)
+        fields = self._qwen_fields(layout, "qwen2_moe", norm_topk_prob=False)
         fields["qkv_bias"] = "blk.0.attn_q.bias" in self.tensors
         fields["use_sliding_window"] = False
         self._qwen_layers(fields, layout)
