@@ -62,8 +62,8 @@ inline void cpu_relax() {
 
 }  // namespace
 
-// Between phases of a job the next one is published within microseconds. (Spinning for the next
-// job as well, up to 1 ms, measured no faster in decode: the caller starts each job itself.)
+// Between phases of a job the next one is published within microseconds (after the last job,
+// workers spin idle_spin_us instead: see the header).
 constexpr auto kPhaseSpin = std::chrono::microseconds(100);
 
 ThreadPool::ThreadPool(int threads) : threads_(std::max(1, threads)), cpus_(allowed_cpus()) {
