@@ -19,6 +19,10 @@ def test_matches_f_linear_in_its_dtype() -> None:
         assert got.dtype == expected.dtype == torch.bfloat16
         # both accumulate in fp32 and round once: at most one bf16 ulp apart, from the sum's order
         assert bool(((got.float() - expected.float()).abs() <= expected.float().abs() * 2**-7 + 1e-6).all())
+    assert type(w._hetmoe_engine[1]).__name__ == "CPULinear"  # a bf16 router runs in the engine
+    odd = torch.randn(16, 40, generator=g).bfloat16()  # a width the engine does not run: torch in fp32
+    x40 = torch.randn(2, 40, generator=g).bfloat16()
+    assert torch.equal(router_logits(x40, odd), F.linear(x40.float(), odd.float()).bfloat16())
     fp32 = router_logits(x, w, fp32=True)  # DeepSeek: fp32 casts of both
     assert fp32.dtype == torch.float32
     torch.testing.assert_close(fp32, F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-5)
