@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "cpu_features.h"
 #include "kernels.h"
@@ -152,6 +153,42 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("w"), py::arg("y"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("eps"),
       py::arg("mode"));
+  m.def(
+      "attn_decode",
+      [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t kv_heads, int groups, int64_t L,
+         int D, py::tuple k_strides, py::tuple v_strides, uintptr_t mask, float scale, uintptr_t out) {
+        // Shapes, dtypes and layouts are checked in Python (hetmoe/models/cpu_attention.py):
+        // q fp32 [B, KV, G, D] contiguous; k, v [B, KV, L, D] with the given (batch, head, row)
+        // strides in elements and unit stride along D; mask fp32 additive [B, L] contiguous or 0.
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (kv_dtype != kF32 && kv_dtype != kBF16Data) throw py::value_error("attn_decode: kv dtype must be 0 or 1");
+        if (D <= 0 || D % 16 || groups <= 0 || L <= 0) throw py::value_error("attn_decode: bad shape");
+        if (k_strides.size() != 3 || v_strides.size() != 3) throw py::value_error("attn_decode: 3 strides each");
+        const int64_t kb = k_strides[0].cast<int64_t>(), kh = k_strides[1].cast<int64_t>(),
+                      kr = k_strides[2].cast<int64_t>();
+        const int64_t vb = v_strides[0].cast<int64_t>(), vh = v_strides[1].cast<int64_t>(),
+                      vr = v_strides[2].cast<int64_t>();
+        const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
+        py::gil_scoped_release release;
+        const KernelTable* kt = g_selected;
+        // One item per (batch row, KV head), over the engine's pool (the waiting caller included).
+        auto job = std::make_shared<ForJob>(int(batch * kv_heads), [=](int item) {
+          thread_local std::vector<float> scores;
+          if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
+          const int64_t b = item / kv_heads, h = item % kv_heads;
+          const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
+          kt->attn_decode(reinterpret_cast<const float*>(q) + qo, groups,
+                          reinterpret_cast<const uint8_t*>(k) + (b * kb + h * kh) * elem,
+                          reinterpret_cast<const uint8_t*>(v) + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
+                          mask ? reinterpret_cast<const float*>(mask) + b * L : nullptr, scale, scores.data(),
+                          reinterpret_cast<float*>(out) + qo);
+        });
+        global_pool()->submit(job);
+        job->wait();
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("kv_heads"),
+      py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
+      py::arg("mask"), py::arg("scale"), py::arg("out"));
   m.def(
       "rope",
       [](uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype, int64_t batch, int64_t heads,

@@ -86,6 +86,11 @@ struct KernelTable {
   // Independent FMA chains for `iters` rounds (the doctor's peak measurement); returns the flops
   // done. `sink` receives a result so the work cannot be optimized away.
   double (*fma_burn)(int64_t iters, float* sink);
+  // One query token over one KV head (decode): out[g, :D] = softmax(scale * q[g] . K^T + mask) V for
+  // the G query heads [G, D] fp32 sharing it; K, V rows of D (a multiple of 16) in fp32 (kv_dtype
+  // 0) or bf16 (1), k_row / v_row elements apart; mask: additive [L] or nullptr; scores: [G, L].
+  void (*attn_decode)(const float* q, int G, const void* k, const void* v, int kv_dtype, int64_t L, int D,
+                      int64_t k_row, int64_t v_row, const float* mask, float scale, float* scores, float* out);
 };
 
 const KernelTable* avx2_kernels();

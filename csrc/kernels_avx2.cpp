@@ -2,6 +2,7 @@
 // Compiled with -mavx2 -mfma -mf16c (setup.py); selected at run time only where CPUID says so.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels.h"

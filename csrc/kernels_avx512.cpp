@@ -4,6 +4,7 @@
 // saves ZMM state.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels.h"

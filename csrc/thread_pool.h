@@ -53,6 +53,20 @@ class Job {
   std::condition_variable cv_;
 };
 
+// A job of one phase: fn(item) for items [0, n). For small parallel loops outside the engines.
+class ForJob final : public Job {
+ public:
+  ForJob(int n, std::function<void(int)> fn) : n_(n), fn_(std::move(fn)) {}
+  Phase next_phase(int index) override {
+    if (index > 0) return {};
+    return {n_, [this](int i, int) { fn_(i); }};
+  }
+
+ private:
+  int n_;
+  std::function<void(int)> fn_;
+};
+
 class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
  public:
   // `threads` participants: threads - 1 workers and the waiting caller. Create with make_shared

@@ -105,3 +105,25 @@ def test_load_model_uses_it_on_the_cpu(tiny_cache) -> None:
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores, strict=True):
         assert rel(sa, sb) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [128, 40])  # 40: not a multiple of 16, the torch matmuls instead
+def test_engine_kernel_reads_strided_bf16_caches(dtype: torch.dtype, dim: int) -> None:
+    """K/V as a static cache holds them (rows of a longer buffer: strided views), bf16 as stored."""
+    g = torch.Generator().manual_seed(3)
+    b, h, kv, length = 2, 8, 2, 53
+    q = torch.randn(b, h, 1, dim, generator=g).to(dtype)
+    buf_k = torch.randn(b, kv, 80, dim, generator=g).to(dtype)
+    buf_v = torch.randn(b, kv, 80, dim, generator=g).to(dtype)
+    k, v = buf_k[:, :, :length], buf_v[:, :, :length]
+    visible = torch.rand(1, 1, 1, length, generator=g) > 0.2
+    visible[..., -1] = True
+    module = _Attn(h // kv)
+    got, _ = attention_forward(module, q, k, v, visible, scaling=dim**-0.5)
+    exact, _ = sdpa_attention_forward(
+        module, q.double(), k.double(), v.double(), visible.expand(b, 1, 1, length), scaling=dim**-0.5
+    )
+    assert got.dtype == dtype and got.shape == (b, 1, h, dim)
+    # fp32 math on the stored values; only the output's rounding to the model dtype remains
+    assert rel(got, exact) <= (2**-8 if dtype == torch.bfloat16 else 1e-6)
