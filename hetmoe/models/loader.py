@@ -65,7 +65,7 @@ def load_model(
     seed: int = 0,
     replace_every: int = 0,
     replace_margin: float = 0.25,
-    gemv_max_tokens: int = 4,
+    gemv_max_tokens: int | None = None,
     expert_backend: str = "auto",
     prefill_threshold: int | None = None,
     prefill_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -97,8 +97,11 @@ def load_model(
     ``dense_method``: CPU only: the non-expert Linear layers (attention, dense MLPs, shared
     experts, lm_head; not the routers) run in the CPU engine in this method (int8, int4 with
     ``dense_group_size``, bf16, a GGUF type), quantized one layer at a time as they are read
-    (models/dense_engine.py). ``check_memory``: before reading any weight, the memory planner
-    (models/planner.py) checks that the model fits the RAM and device memory, else PlanError.
+    (models/dense_engine.py). ``gemv_max_tokens``: an expert with at most this many tokens in a
+    forward streams its weights through the GEMV kernels, more dequantize panels for the GEMM (None:
+    the per-method default of runtime/cpu_experts.py; dense layers use 4). ``check_memory``: before
+    reading any weight, the memory planner (models/planner.py) checks that the model fits the RAM and
+    device memory, else PlanError.
 
     The returned model carries ``model.hetmoe`` (a HybridRuntime): placement, timing, routing
     statistics (``save_routing_stats()``).
@@ -161,7 +164,12 @@ def load_model(
     if dense_method is not None:
         keep_fp32 = _fp32_patterns(model, model_dtype)
         dense = DenseConverter(
-            model, dense_method, dense_group_size, list(hybrids.values()), keep_fp32, gemv_max_tokens
+            model,
+            dense_method,
+            dense_group_size,
+            list(hybrids.values()),
+            keep_fp32,
+            gemv_max_tokens if gemv_max_tokens is not None else 4,
         )
     _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
     dense_notes = dense.finish(model) if dense is not None else []
@@ -439,7 +447,7 @@ def _engine_activations() -> set[str]:
 
 
 def _cpu_backend(
-    experts: LayerExperts, adapter: MoEAdapter, layout: MoELayout, gemv_max_tokens: int, backend: str
+    experts: LayerExperts, adapter: MoEAdapter, layout: MoELayout, gemv_max_tokens: int | None, backend: str
 ) -> ExpertBackend:
     """CPUExperts when the engine runs these experts; the torch fallback otherwise (or when asked)."""
     act = adapter.engine_activation()
