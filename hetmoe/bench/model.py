@@ -123,9 +123,9 @@ def _prompt(shape: ModelShape, tokens: int, gen: torch.Generator) -> torch.Tenso
 
 def _decode_start(model: nn.Module, shape: ModelShape, context: int, gen: torch.Generator) -> tuple[Any, torch.Tensor]:
     """A KV cache holding a prompt of ``context`` tokens, and the next token."""
-    from transformers import DynamicCache
+    from ..runtime.kv_cache import growing_cache
 
-    cache = DynamicCache(config=model.config)
+    cache = growing_cache(model.config)
     out = model(_prompt(shape, context, gen), cache=cache, use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1:].argmax(-1)
 
@@ -142,11 +142,11 @@ def _decode_steps(model: nn.Module, cache: Any, token: torch.Tensor, steps: int)
 
 
 def _prefill(model: nn.Module, shape: ModelShape, tokens: int, gen: torch.Generator) -> float:
-    from transformers import DynamicCache
+    from ..runtime.kv_cache import growing_cache
 
     ids = _prompt(shape, tokens, gen)
     t0 = time.perf_counter()
-    model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    model(ids, cache=growing_cache(model.config), use_cache=True, logits_to_keep=1)
     return time.perf_counter() - t0
 
 

@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         sampling = {"do_sample": True, "temperature": args.temperature}
         if args.top_p is not None:
             sampling["top_p"] = args.top_p
+    from ..runtime.kv_cache import growing_cache
+
     streamer = _streamer(tokenizer, runtime)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runtime.reset_timing()
@@ -234,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,
             pad_token_id=pad,
+            past_key_values=growing_cache(model.config),  # appends in place (runtime/kv_cache.py)
             **sampling,
         )
     end = time.perf_counter()

@@ -1,0 +1,56 @@
+"""GrowingLayer (runtime/kv_cache.py) against transformers' DynamicLayer, and generate with it."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from hetmoe.runtime.kv_cache import GrowingLayer, growing_cache
+
+
+def _states(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, n, 8, generator=g).bfloat16(), torch.randn(2, 3, n, 8, generator=g).bfloat16()
+
+
+def test_same_keys_and_values_as_dynamic_layer_through_growth_crop_and_reorder() -> None:
+    ours, theirs = GrowingLayer(), DynamicLayer()
+    steps = [300, *([1] * 40), 7, *([1] * 300)]  # a prefill, decode steps, a chunk, past two growths
+    for i, n in enumerate(steps):
+        k, v = _states(n, i)
+        ko, vo = ours.update(k, v)
+        kt, vt = theirs.update(k, v)
+        assert torch.equal(ko, kt) and torch.equal(vo, vt)
+        if i == 20:
+            ours.crop(-5)
+            theirs.crop(-5)
+        if i == 30:
+            beams = torch.tensor([1, 0])
+            ours.reorder_cache(beams)
+            theirs.reorder_cache(beams)
+    assert ours.get_seq_length() == theirs.get_seq_length() == sum(steps) - 5
+    ours.reset()
+    k, v = _states(3, 99)
+    assert torch.equal(ours.update(k, v)[0], k)
+
+
+def test_appends_without_copying_the_cache() -> None:
+    layer = GrowingLayer()
+    layer.update(*_states(10, 0))
+    buffer = layer.keys.untyped_storage().data_ptr()
+    for i in range(50):
+        layer.update(*_states(1, i + 1))
+    assert layer.keys.untyped_storage().data_ptr() == buffer  # the same buffer: appended in place
+
+
+def test_generate_with_it_equals_generate_without(tiny_cache) -> None:
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen3_moe"))
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        grown = model.generate(
+            ids, max_new_tokens=24, do_sample=False, pad_token_id=0, past_key_values=growing_cache(model.config)
+        )
+    assert torch.equal(plain, grown)
