@@ -42,6 +42,7 @@ from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
 from .dense_engine import DenseConverter
+from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
 from .planner import plan_memory
@@ -193,6 +194,7 @@ def load_model(
         use_cpu_attention(model)  # torch's CPU SDPA is slow for one-token queries (cpu_attention.py)
         fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
         fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
+        install_fast_decode(model)  # one-token decoder layers without transformers' glue (fast_decode.py)
     _load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(

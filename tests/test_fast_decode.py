@@ -1,0 +1,70 @@
+"""The lean one-token decoder layer (models/fast_decode.py) against transformers' own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmoe.runtime.kv_cache import growing_cache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _fast_layers(model) -> list:
+    return [m for m in model.modules() if "forward" in vars(m) and type(m).__name__ == "Qwen3MoeDecoderLayer"]
+
+
+def _steps(model, ids: torch.Tensor, steps: int, fast: bool) -> list[torch.Tensor]:
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeDecoderLayer"]
+    saved = {id(m): vars(m).get("forward") for m in layers}
+    if not fast:
+        for m in layers:
+            vars(m).pop("forward", None)  # back to transformers' class forward
+    try:
+        logits = []
+        with torch.inference_mode():
+            cache = growing_cache(model.config)
+            out = model(ids, cache=cache, use_cache=True)
+            for _ in range(steps):
+                logits.append(out.logits[:, -1].clone())
+                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        return logits
+    finally:
+        for m in layers:
+            if saved[id(m)] is not None:
+                m.forward = saved[id(m)]
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8"])
+def test_bit_identical_to_transformers_forward(tiny_cache, dense: str) -> None:
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen3_moe"), dense_method=dense)
+    assert len(_fast_layers(model)) == model.config.num_hidden_layers
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    fast = _steps(model, ids, 24, fast=True)
+    slow = _steps(model, ids, 24, fast=False)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_batches_and_masks_take_transformers_forward(tiny_cache) -> None:
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding: a mask reaches the layers
+    with torch.inference_mode():
+        fast = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for m in _fast_layers(model):
+            del m.forward
+        slow = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast, slow)
+
+
+def test_not_installed_without_fused_projections(tiny_cache) -> None:
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen3_moe"))  # no dense_method: q/k/v stay torch Linears
+    assert not _fast_layers(model)
