@@ -68,3 +68,23 @@ def test_not_installed_without_fused_projections(tiny_cache) -> None:
 
     model = load_model(tiny_cache.model("qwen3_moe"))  # no dense_method: q/k/v stay torch Linears
     assert not _fast_layers(model)
+
+
+def test_norms_and_rotary_run_as_direct_engine_calls(tiny_cache, monkeypatch) -> None:
+    """The one-token path's q/k norms and rotary embedding take the direct engine calls (and the
+    bit-identity test above holds them to the modules' results)."""
+    import hetmoe.models.fast_decode as fast_decode
+    from hetmoe import load_model
+
+    taken = []
+    real = fast_decode._norm_rope_direct
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_decode, "_norm_rope_direct", spy)
+    model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
+    _steps(model, torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2)), 3, fast=True)
+    assert taken and all(taken)

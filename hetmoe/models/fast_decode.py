@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.dispatch import engine_module
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from .cpu_attention import ATTENTION_NAME, attention_forward
@@ -110,6 +111,44 @@ def _takes_fast_path(
     return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
 
 
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _norm_rope_direct(
+    attn: nn.Module, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q_norm, k_norm and the rotary embedding as four engine calls on the rows of ``qkv`` in place of
+    the modules' forwards (the same kernels, so the same values); None where they do not apply."""
+    dtype = qkv.dtype
+    norms = (attn.q_norm, attn.k_norm)
+    if (
+        dtype not in _DTYPES
+        or not qkv.is_contiguous()
+        or any(n.weight.dtype != dtype or n.weight.shape[0] != d or n._hetmoe_mode != 0 for n in norms)
+        or cos.dtype != dtype
+        or sin.dtype != dtype
+        or cos.shape != (1, 1, d)
+        or sin.shape != (1, 1, d)
+        or not (cos.is_contiguous() and sin.is_contiguous())
+    ):
+        return None
+    engine = engine_module()
+    code, size = _DTYPES[dtype], qkv.element_size()
+    out = []
+    for i, norm in enumerate(norms):
+        heads = (bounds[i + 1] - bounds[i]) // d
+        normed = torch.empty(1, heads, 1, d, dtype=dtype)
+        weight = norm.weight.detach()
+        engine.rms_norm(
+            qkv.data_ptr() + bounds[i] * size, weight.data_ptr(), normed.data_ptr(), code, heads, d,
+            norm._hetmoe_eps, norm._hetmoe_mode,
+        )  # fmt: skip
+        rotated = torch.empty_like(normed)
+        engine.rope(normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), rotated.data_ptr(), code, 1, heads, 1, d, True)
+        out.append(rotated)
+    return out[0], out[1]
+
+
 def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor:
     """transformers' Qwen3MoeDecoderLayer + Qwen3MoeAttention forward for one token, the same ops in
     the same order, called directly."""
@@ -120,11 +159,15 @@ def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embedding
     group: FusedLinears = attn.fused_qkv_proj
     qkv = group.linear(h)
     b = group.bounds
-    q = fused_norm(attn.q_norm, qkv[..., b[0] : b[1]].view(1, 1, -1, d)).transpose(1, 2)
-    k = fused_norm(attn.k_norm, qkv[..., b[1] : b[2]].view(1, 1, -1, d)).transpose(1, 2)
-    v = qkv[..., b[2] : b[3]].view(1, 1, -1, d).transpose(1, 2)
     cos, sin = position_embeddings
-    q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    v = qkv[..., b[2] : b[3]].view(1, 1, -1, d).transpose(1, 2)
+    direct = _norm_rope_direct(attn, qkv, b, d, cos, sin)
+    if direct is not None:
+        q, k = direct
+    else:
+        q = fused_norm(attn.q_norm, qkv[..., b[0] : b[1]].view(1, 1, -1, d)).transpose(1, 2)
+        k = fused_norm(attn.k_norm, qkv[..., b[1] : b[2]].view(1, 1, -1, d)).transpose(1, 2)
+        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
     k, v = cache.update(k, v, attn.layer_idx)
     out, _ = attention_forward(
         attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
