@@ -88,3 +88,23 @@ def test_norms_and_rotary_run_as_direct_engine_calls(tiny_cache, monkeypatch) ->
     model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
     _steps(model, torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2)), 3, fast=True)
     assert taken and all(taken)
+
+
+def test_model_forward_is_fast_and_bit_identical_in_generate(tiny_cache) -> None:
+    """The causal LM's one-token forward (no transformers model glue) gives generate the same tokens
+    and the same scores as transformers' forward."""
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen3_moe"), dense_method="int8")
+    assert "forward" in vars(model)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        fast = model.generate(ids, cache=growing_cache(model.config), **kwargs)
+        del model.forward
+        for m in _fast_layers(model):
+            del m.forward
+        slow = model.generate(ids, cache=growing_cache(model.config), **kwargs)
+    assert torch.equal(fast.sequences, slow.sequences)
+    for a, b in zip(fast.scores, slow.scores, strict=True):
+        assert torch.equal(a, b)

@@ -51,6 +51,6 @@ def test_generate_with_it_equals_generate_without(tiny_cache) -> None:
     with torch.inference_mode():
         plain = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
         grown = model.generate(
-            ids, max_new_tokens=24, do_sample=False, pad_token_id=0, past_key_values=growing_cache(model.config)
+            ids, max_new_tokens=24, do_sample=False, pad_token_id=0, cache=growing_cache(model.config)
         )
     assert torch.equal(plain, grown)

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,
             pad_token_id=pad,
-            past_key_values=growing_cache(model.config),  # appends in place (runtime/kv_cache.py)
+            cache=growing_cache(model.config),  # appends in place (runtime/kv_cache.py)
             **sampling,
         )
     end = time.perf_counter()

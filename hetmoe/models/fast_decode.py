@@ -45,13 +45,117 @@ def _eligible_layer(layer: nn.Module) -> bool:
 
 
 def install_fast_decode(model: nn.Module) -> int:
-    """Give every eligible decoder layer the lean one-token forward; returns how many."""
+    """Give every eligible decoder layer the lean one-token forward, and the causal LM too when all its
+    layers have it; returns how many layers."""
     count = 0
+    layers = []
     for layer in model.modules():
+        if type(layer).__name__ in _LAYER_CLASSES:
+            layers.append(layer)
         if _eligible_layer(layer):
             layer.forward = types.MethodType(_make_forward(type(layer).forward), layer)
             count += 1
+    if layers and count == len(layers) and type(model).__name__ in _CAUSAL_CLASSES:
+        model.forward = types.MethodType(_make_causal_forward(type(model).forward), model)
     return count
+
+
+_CAUSAL_CLASSES = ("Qwen3MoeForCausalLM",)
+# keyword arguments the one-token model forward may ignore (what generate passes besides the inputs)
+_IGNORABLE = {"cache_position", "return_dict", "output_attentions", "output_hidden_states"}
+
+
+def _make_causal_forward(original: Any) -> Any:
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if not _causal_fast(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                            output_router_logits, logits_to_keep, kwargs):  # fmt: skip
+            return original(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                output_router_logits=output_router_logits,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        return _one_token_model(self, input_ids, position_ids, cache)
+
+    return forward
+
+
+def _causal_fast(
+    model: nn.Module,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache: Any,
+    inputs_embeds: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    output_router_logits: bool | None,
+    logits_to_keep: Any,
+    kwargs: dict[str, Any],
+) -> bool:
+    """One token of one sequence continuing a cache, nothing asked beyond the logits."""
+    from transformers.cache_utils import DynamicLayer
+
+    if model.training or inputs_embeds is not None or labels is not None or input_ids is None or cache is None:
+        return False
+    if input_ids.shape != (1, 1) or input_ids.device.type != "cpu":
+        return False
+    if output_router_logits or model.config.output_router_logits or not isinstance(logits_to_keep, int):
+        return False
+    if any(k not in _IGNORABLE for k in kwargs) or kwargs.get("return_dict") is False:
+        return False
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return False
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, DynamicLayer) for layer in layers):
+        return False
+    past = cache.get_seq_length()
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and past + 1 > window:
+        return False  # transformers builds a sliding-window mask whenever the config names a window
+    if attention_mask is not None and (attention_mask.shape != (1, past + 1) or not bool(attention_mask.all())):
+        return False  # padding: the mask must reach the layers
+    if position_ids is not None and position_ids.shape != (1, 1):
+        return False
+    inner = model.model
+    return not (inner._forward_hooks or inner._forward_pre_hooks)
+
+
+def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any) -> Any:
+    """transformers' Qwen3MoeForCausalLM + Qwen3MoeModel forward for one token without padding: the
+    same modules in the same order (no mask is built: one query over a full, unpadded cache sees
+    every key)."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids)
+    if position_ids is None:
+        position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
+    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    for layer in inner.layers[: inner.config.num_hidden_layers]:
+        hidden = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
+    hidden = inner.norm(hidden)
+    return MoeCausalLMOutputWithPast(logits=model.lm_head(hidden), cache=cache)
 
 
 def _make_forward(original: Any) -> Any:
