@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tiny_models import logits, rel, tokens
 from transformers import AutoModelForCausalLM
 
 from hetmoe import load_model
@@ -29,19 +30,6 @@ TINY_K1_BOUND = 0.05
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-def tokens(seed: int = 0, shape: tuple[int, int] = (2, 12)) -> torch.Tensor:
-    return torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids).logits
 
 
 def deferring_reference(

@@ -35,7 +35,7 @@ pytest.importorskip("transformers")
 
 import gguf
 from gguf.quants import dequantize, quantize
-from tiny_models import tiny_config
+from tiny_models import logits, rel, tiny_config, tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hetmoe import load_model
@@ -65,19 +65,6 @@ YARN = {
     "mscale": 0.707,
     "mscale_all_dim": 0.707,
 }
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-def tokens(vocab: int = 128, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids).logits
 
 
 # --- writing a GGUF the way convert_hf_to_gguf.py does ---------------------------------------------

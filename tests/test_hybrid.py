@@ -32,7 +32,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tiny_models import MODEL_TYPES
+from tiny_models import MODEL_TYPES, logits, rel, tokens
 from transformers import AutoModelForCausalLM
 
 from hetmoe import load_model
@@ -50,10 +50,6 @@ LAYOUTS = [(m, None) for m in MODEL_TYPES] + [(m, True) for m in FUSABLE]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
 @pytest.fixture(scope="session")
@@ -86,15 +82,6 @@ def tiny(tiny_cache, tmp_path_factory):
 
 def reference(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-
-
-def tokens(seed: int = 0, shape: tuple[int, int] = (2, 12)) -> torch.Tensor:
-    return torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids).logits
 
 
 # --- routing ------------------------------------------------------------------------------------

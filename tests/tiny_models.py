@@ -121,6 +121,21 @@ _FUSED_KEY = re.compile(r"^(?P<layers>.+)\.(?P<layer>\d+)\.mlp\.experts\.(?P<pro
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest magnitude of the reference ``b``."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def tokens(seed: int = 0, shape: tuple[int, int] = (2, 12), vocab: int = 128) -> torch.Tensor:
+    """Random token ids for the tiny models (vocab 128)."""
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     import transformers
 
