@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.dispatch import engine_module
+
 ATTENTION_NAME = "hetmoe_cpu_sdpa"
 
 
@@ -87,8 +89,6 @@ def _engine_attention(
     (batch row, KV head) pairs spread over the engine's pool: the torch path converts the whole
     cache to fp32 every step (in a decode step of the 4-layer Qwen3-30B-A3B-shaped model at ~170
     cached tokens: 0.29 ms a layer, 0.17 ms here, 85 us of it the kernel)."""
-    from ..kernels.dispatch import engine_module
-
     b, kv, groups, d = q.shape
     length = key.shape[2]
     q = q.contiguous()

@@ -15,6 +15,7 @@ It is installed only where the layer has what it reads: q/k/v fused into one eng
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from typing import Any
@@ -22,13 +23,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.dispatch import engine_module
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from .cpu_attention import ATTENTION_NAME, attention_forward
 from .fused_norms import _fused_forward as fused_norm
+from .fused_norms import norm_rows
+from .fused_rope import rope
 
 _LAYER_CLASSES = ("Qwen3MoeDecoderLayer",)
+
+
+@functools.cache
+def _transformers() -> types.SimpleNamespace:
+    """The transformers types the one-token path checks and builds, imported once (not per call:
+    ``import hetmoe`` does not import transformers, and a decode step should not re-run imports)."""
+    from transformers.cache_utils import DynamicLayer
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    return types.SimpleNamespace(DynamicLayer=DynamicLayer, MoeCausalLMOutputWithPast=MoeCausalLMOutputWithPast)
 
 
 def _eligible_layer(layer: nn.Module) -> bool:
@@ -114,8 +126,6 @@ def _causal_fast(
     kwargs: dict[str, Any],
 ) -> bool:
     """One token of one sequence continuing a cache, nothing asked beyond the logits."""
-    from transformers.cache_utils import DynamicLayer
-
     if model.training or inputs_embeds is not None or labels is not None or input_ids is None or cache is None:
         return False
     if input_ids.shape != (1, 1) or input_ids.device.type != "cpu":
@@ -127,7 +137,7 @@ def _causal_fast(
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
     layers = getattr(cache, "layers", None)
-    if not layers or not all(isinstance(layer, DynamicLayer) for layer in layers):
+    if not layers or not all(isinstance(layer, _transformers().DynamicLayer) for layer in layers):
         return False
     past = cache.get_seq_length()
     window = getattr(model.config, "sliding_window", None)
@@ -145,8 +155,6 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     """transformers' Qwen3MoeForCausalLM + Qwen3MoeModel forward for one token without padding: the
     same modules in the same order (no mask is built: one query over a full, unpadded cache sees
     every key)."""
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
     if position_ids is None:
@@ -155,7 +163,7 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     for layer in inner.layers[: inner.config.num_hidden_layers]:
         hidden = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
     hidden = inner.norm(hidden)
-    return MoeCausalLMOutputWithPast(logits=model.lm_head(hidden), cache=cache)
+    return _transformers().MoeCausalLMOutputWithPast(logits=model.lm_head(hidden), cache=cache)
 
 
 def _make_forward(original: Any) -> Any:
@@ -195,8 +203,6 @@ def _takes_fast_path(
     position_embeddings: Any,
     kwargs: dict[str, Any],
 ) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
     if layer.training or mask is not None or position_embeddings is None or cache is None:
         return False
     if x.device.type != "cpu" or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != 1:
@@ -207,7 +213,7 @@ def _takes_fast_path(
         return False
     layers = getattr(cache, "layers", None)
     idx = layer.self_attn.layer_idx
-    if layers is None or idx >= len(layers) or not isinstance(layers[idx], DynamicLayer):
+    if layers is None or idx >= len(layers) or not isinstance(layers[idx], _transformers().DynamicLayer):
         return False
     # hooks on the layer's parts would be skipped by the direct calls below
     attn = layer.self_attn
@@ -215,18 +221,15 @@ def _takes_fast_path(
     return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
 
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
 def _norm_rope_direct(
     attn: nn.Module, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """q_norm, k_norm and the rotary embedding as four engine calls on the rows of ``qkv`` in place of
-    the modules' forwards (the same kernels, so the same values); None where they do not apply."""
+    """q_norm, k_norm and the rotary embedding as direct engine calls on the rows of ``qkv``, without
+    the modules' per-call checks (the same kernels, so the same values); None where they do not apply."""
     dtype = qkv.dtype
     norms = (attn.q_norm, attn.k_norm)
     if (
-        dtype not in _DTYPES
+        dtype not in (torch.float32, torch.bfloat16)
         or not qkv.is_contiguous()
         or any(n.weight.dtype != dtype or n.weight.shape[0] != d or n._hetmoe_mode != 0 for n in norms)
         or cos.dtype != dtype
@@ -236,21 +239,9 @@ def _norm_rope_direct(
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         return None
-    engine = engine_module()
-    code, size = _DTYPES[dtype], qkv.element_size()
-    out = []
-    for i, norm in enumerate(norms):
-        heads = (bounds[i + 1] - bounds[i]) // d
-        normed = torch.empty(1, heads, 1, d, dtype=dtype)
-        weight = norm.weight.detach()
-        engine.rms_norm(
-            qkv.data_ptr() + bounds[i] * size, weight.data_ptr(), normed.data_ptr(), code, heads, d,
-            norm._hetmoe_eps, norm._hetmoe_mode,
-        )  # fmt: skip
-        rotated = torch.empty_like(normed)
-        engine.rope(normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), rotated.data_ptr(), code, 1, heads, 1, d, True)
-        out.append(rotated)
-    return out[0], out[1]
+    q = qkv[..., bounds[0] : bounds[1]].view(1, -1, 1, d)  # [1, heads, 1, d]: one token's rows as they lie
+    k = qkv[..., bounds[1] : bounds[2]].view(1, -1, 1, d)
+    return rope(norm_rows(attn.q_norm, q), cos, sin), rope(norm_rows(attn.k_norm, k), cos, sin)
 
 
 def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor:

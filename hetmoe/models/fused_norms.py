@@ -52,13 +52,19 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> Any:
         or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     ):
         return type(self).forward(self, hidden_states)
+    return norm_rows(self, x)
+
+
+def norm_rows(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The engine's RMSNorm of ``x [..., D]`` with a fused norm module's weight, epsilon and rounding;
+    the caller has checked what ``_fused_forward`` checks (CPU, x's dtype is the weight's, no grad)."""
     x = x.contiguous()
-    w_c = w.detach().contiguous()
+    w = norm.weight.detach().contiguous()
     y = torch.empty_like(x)
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
     engine_module().rms_norm(
-        x.data_ptr(), w_c.data_ptr(), y.data_ptr(), _DTYPES[x.dtype], rows, cols, self._hetmoe_eps, self._hetmoe_mode
+        x.data_ptr(), w.data_ptr(), y.data_ptr(), _DTYPES[x.dtype], rows, cols, norm._hetmoe_eps, norm._hetmoe_mode
     )
     return y
 

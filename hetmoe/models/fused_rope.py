@@ -32,7 +32,9 @@ FAMILIES = (
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The engine's rotary embedding of ``x [B, H, T, D]`` with contiguous ``cos``/``sin [B or 1, T, D]``
+    of x's dtype (checked by the caller)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     b, h, t, d = x.shape
@@ -66,7 +68,7 @@ def _fused(original: Callable[..., Any]) -> Callable[..., Any]:
         ):
             return original(q, k, cos, sin, unsqueeze_dim)
         cos, sin = cos.contiguous(), sin.contiguous()
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+        return rope(q, cos, sin), rope(k, cos, sin)
 
     apply_rotary_pos_emb.hetmoe_original = original  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
