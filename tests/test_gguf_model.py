@@ -43,6 +43,7 @@ from hetmoe.checkpoint import CheckpointError
 from hetmoe.cli.main import main
 from hetmoe.models.default import default_model_path
 from hetmoe.models.gguf_model import load_gguf_tokenizer
+from hetmoe.models.planner import kv_bytes_per_token, plan_memory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -382,6 +383,20 @@ def test_config_from_metadata_matches_the_model(tmp_path: Path) -> None:
     assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-7)  # GGUF stores it as float32
 
 
+@pytest.mark.parametrize(
+    ("model_type", "split_kv_b"), [("qwen3_moe", True), ("deepseek_v3", True), ("deepseek_v3", False)]
+)
+def test_memory_plan_counts_the_kv_cache_transformers_keeps(model_type: str, split_kv_b: bool, tmp_path: Path) -> None:
+    """The planner's KV bytes per token for a GGUF file equal those of the original config (they took
+    one head of the whole hidden width when the metadata's head counts were not read)."""
+    model = random_model(model_type)
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, split_kv_b=split_kv_b)
+    plan = plan_memory(path)
+    want, _ = kv_bytes_per_token(model.config.to_dict(), plan.dtype_bytes)
+    assert plan.kv_bytes_per_token == want
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 
@@ -469,3 +484,48 @@ def test_generate_cli_runs_a_gguf_file(default_gguf, capsys) -> None:
     ref = reference(model, state, torch.float32)
     want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.rstrip("\n") == tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_serve_answers_from_a_gguf_file(default_gguf) -> None:
+    """`hetmoe serve model.gguf`: named after the file, the tokenizer from its metadata, and a greedy
+    chat completion equal to transformers' generate on the weights the file holds."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from hetmoe.cli.serve import resolve_model
+    from hetmoe.serve.app import build_app
+    from hetmoe.serve.background import BackgroundServer
+    from hetmoe.serve.served_model import load_served_model
+
+    path, state, model = default_gguf
+    resolved, name = resolve_model(str(path))
+    assert (resolved, name) == (path, "default")
+    served = load_served_model(path, name=name, threads=1, dtype="float32")
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == prompt
+    ids = torch.tensor([prompt])
+    want = reference(model, state, torch.float32).generate(
+        ids, max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=tok.pad_token_id
+    )
+    with BackgroundServer(build_app(served)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["default"]
+        reply = client.chat.completions.create(
+            model="default", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert reply.choices[0].message.content == tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_eval_ppl_runs_a_gguf_file(default_gguf, tmp_path: Path, capsys) -> None:
+    """`hetmoe eval ppl model.gguf`: the file's experts as stored against the same file converted to bf16."""
+    path, _, _ = default_gguf
+    text = tmp_path / "text.txt"
+    text.write_text((default_model_path() / "heldout.txt").read_text()[:1500])
+    out = tmp_path / "q.json"
+    argv = ["eval", "ppl", str(path), "--text", str(text), "--methods", "bf16,gguf:q8_0", "--context", "64"]
+    assert main([*argv, "--max-windows", "2", "--threads", "1", "--dtype", "float32", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["bf16"]["error"] is None and rows["gguf:q8_0"]["error"] is None
+    assert rows["bf16"]["kl_mean"] == 0.0 and 0.0 < rows["gguf:q8_0"]["kl_mean"] < 0.05
+    capsys.readouterr()

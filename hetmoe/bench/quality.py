@@ -155,12 +155,9 @@ def evaluate_methods(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from ..models.tokenizer import load_tokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{model_path}: cannot load a tokenizer ({exc})") from None
+        tokenizer = load_tokenizer(model_path, "evaluation")
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     windows = text_windows(list(ids), context)
     if max_windows is not None:

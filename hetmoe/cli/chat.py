@@ -1,7 +1,8 @@
 """``hetmoe chat``: a terminal chat against any OpenAI-compatible server, streaming the replies.
 
 Without --url it starts hetmoe's own server in this process, on a free loopback port, with the
-embedded default model (or --local DIR). The conversation is kept and sent whole each turn.
+embedded default model (or --local MODEL: a directory or a .gguf file). The conversation is kept
+and sent whole each turn.
 Commands: ``/reset`` forgets the conversation (the system prompt stays), ``/save FILE`` writes it
 as JSON (atomically), ``/exit`` leaves (so do Ctrl-D and end of input). Ctrl-C during a reply stops
 that reply, closing the stream so the server stops generating, and keeps what arrived.
@@ -48,7 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="bearer key for the server (default: $HETMOE_API_KEY, then $OPENAI_API_KEY)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="reply length limit (default: none)")
-    p.add_argument("--local", metavar="DIR", help="without --url: serve this model directory instead of the default")
+    p.add_argument(
+        "--local",
+        metavar="MODEL",
+        help="without --url: serve this model directory or .gguf file instead of the default",
+    )
     p.add_argument("--method", choices=("bf16", "int8", "int4"), help="without --url: experts' CPU method")
     p.add_argument("--threads", type=int, default=None, help="without --url: CPU engine threads")
     p.set_defaults(run=run)

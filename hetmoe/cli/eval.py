@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..bench.quality import DEFAULT_METHODS, evaluate_methods, format_table, plot_quality, write_json
+from ..models.tokenizer import check_model_path
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -42,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ppl.add_argument("model", nargs="?", metavar="MODEL", help="model directory (default: the embedded model)")
+    ppl.add_argument(
+        "model", nargs="?", metavar="MODEL", help="model directory or .gguf file (default: the embedded model)"
+    )
     ppl.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
     ppl.add_argument(
         "--methods",
@@ -79,9 +82,7 @@ def _gguf_shorthand(methods: tuple[str, ...]) -> tuple[str, ...]:
 def run_ppl(args: argparse.Namespace) -> int:
     from ..models.default import default_model_path
 
-    model = Path(args.model) if args.model else default_model_path()
-    if not model.is_dir():
-        raise ValueError(f"{model}: not a model directory")
+    model = check_model_path(args.model) if args.model else default_model_path()
     text_path = Path(args.text)
     try:
         text = text_path.read_text(encoding="utf-8")

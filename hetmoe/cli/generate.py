@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..models.tokenizer import check_model_path, is_model_path
+
 NO_PROMPT = 'no prompt: hetmoe generate "your prompt" (the embedded default model) or hetmoe generate MODEL "prompt"'
 CPU_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel")
 
@@ -101,15 +103,13 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model is None:
         raise ValueError(NO_PROMPT)
     if args.prompt is None:
-        if Path(args.model).is_dir() or _is_gguf(Path(args.model)):
+        if is_model_path(Path(args.model)):
             raise ValueError(f'no prompt: hetmoe generate {args.model} "your prompt"')
         from ..models.default import default_model_path
 
         # One argument that is not a model directory: it is the prompt, for the default model.
         args.model, args.prompt = str(default_model_path()), args.model
-    model = Path(args.model)
-    if not model.is_dir() and not _is_gguf(model):
-        raise ValueError(f"{model}: not a model directory or a .gguf file")
+    model = check_model_path(args.model)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
@@ -123,10 +123,6 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     if args.defer_experts < 0:
         raise ValueError(f"--defer-experts must be >= 0, got {args.defer_experts}")
     return model, args.prompt
-
-
-def _is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".gguf"
 
 
 def _streamer(tokenizer: Any, runtime: Any) -> Any:
@@ -168,24 +164,11 @@ def _phase_line(name: str, tokens: int, seconds: float, cpu_s: float, wait_s: fl
 def run(args: argparse.Namespace) -> int:
     model_dir, prompt = _check_args(args)
     import torch
-    from transformers import AutoTokenizer
 
     from ..models.loader import load_model
+    from ..models.tokenizer import load_tokenizer
 
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if model_dir.is_dir() and not any((model_dir / f).exists() for f in tokenizer_files):
-        raise ValueError(
-            f"{model_dir}: no tokenizer files ({', '.join(tokenizer_files)}); generate needs the model's tokenizer"
-        )
-    try:
-        if _is_gguf(model_dir):  # tokenizer files beside it, else the file's own tokenizer metadata
-            from ..models.gguf_model import load_gguf_tokenizer
-
-            tokenizer = load_gguf_tokenizer(model_dir)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{model_dir}: cannot load a tokenizer ({exc})") from None
+    tokenizer = load_tokenizer(model_dir, "generate")
     if args.dense_method:
         # CPU-only mode: the engine's workers use every core for the linears and experts; torch is left
         # the small ops between them, which a second thread only slows (it must be woken, and competes

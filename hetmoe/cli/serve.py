@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..models.tokenizer import check_model_path
+
 API_KEY_ENV = "HETMOE_API_KEY"
 
 
@@ -27,17 +29,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "  hetmoe serve\n"
             "  hetmoe serve /models/Qwen3-30B-A3B --method int4 --port 8080 --max-batch 16\n"
             "  hetmoe serve --lora runs/sft/adapter\n"
+            "  hetmoe serve /models/Qwen3-30B-A3B-Q4_K_M.gguf\n"
             "  HETMOE_API_KEY=secret hetmoe serve ./my-model --host 0.0.0.0\n"
             "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             '       -d \'{"model": "hetmoe-default", "messages": [{"role": "user", "content": "Hi"}]}\''
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory (default: the embedded default model)")
+    p.add_argument(
+        "model", nargs="?", metavar="MODEL", help="model directory or .gguf file (default: the embedded default model)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set, else no key)")
-    p.add_argument("--model-name", help="the model id clients send (default: the directory's name)")
+    p.add_argument("--model-name", help="the model id clients send (default: the directory's or file's name)")
     p.add_argument(
         "--method",
         help="convert experts to this CPU method on load (bf16, int8, int4, fp8, gguf:q4_k, ...; default: as stored)",
@@ -65,15 +70,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve_model(model: str | None) -> tuple[Path, str]:
-    """The model directory and the name it is served under (the default model's, or the directory's)."""
+    """The model (directory or .gguf file) and the name it is served under (the default model's, the
+    directory's name, or the file's without .gguf)."""
     from ..models.default import DEFAULT_MODEL_NAME, default_model_path
 
     if model is None:
         return default_model_path(), DEFAULT_MODEL_NAME
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"{path}: not a model directory")
-    return path, path.resolve().name
+    path = check_model_path(model)
+    return path, path.resolve().stem if path.is_file() else path.resolve().name
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..models.tokenizer import model_files_dir
 from .protocol import ApiError, ChatMessage
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -73,20 +72,12 @@ def load_served_model(
     gpu_experts: int = 0,
 ) -> ServedModel:
     """Load ``path`` with :func:`hetmoe.load_model` and its tokenizer; a clear ValueError for what is missing."""
-    from transformers import AutoTokenizer
-
     from ..models.loader import load_model
+    from ..models.tokenizer import load_tokenizer
 
     directory = Path(path)
-    if not directory.is_dir():
-        raise ValueError(f"{directory}: not a model directory")
-    if not any((directory / f).exists() for f in _TOKENIZER_FILES):
-        raise ValueError(f"{directory}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}); serving needs one")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        worker_tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{directory}: cannot load a tokenizer ({exc})") from None
+    tokenizer = load_tokenizer(directory, "serving")
+    worker_tokenizer = load_tokenizer(directory, "serving")
     model = load_model(
         directory, method=method, device=device, cpu_threads=threads, dtype=dtype, gpu_experts=gpu_experts
     )
@@ -94,7 +85,7 @@ def load_served_model(
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     if max_model_len is None:
         if limit <= 0:
-            raise ValueError(f"{directory}: config.json has no max_position_embeddings; pass --max-model-len")
+            raise ValueError(f"{directory}: the config has no max_position_embeddings; pass --max-model-len")
         max_model_len = limit
     if max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
@@ -111,7 +102,7 @@ def load_served_model(
         max_model_len=max_model_len,
         eos_ids=_eos_ids(model, tokenizer),
         vocab_size=int(config.vocab_size),
-        defaults=_sampling_defaults(directory),
+        defaults=_sampling_defaults(model_files_dir(directory)),
     )
 
 
