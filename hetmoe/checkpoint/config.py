@@ -127,6 +127,7 @@ def config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
         "first_k_dense_replace": field("leading_dense_block_count", 0),
         "_source": str(gguf.path),
     }
+    config |= _attention_fields(field, arch)
     needed = {"block_count": config["num_hidden_layers"], "embedding_length": config["hidden_size"]}
     missing = [f"{arch}.{k}" for k, v in needed.items() if v is None]
     if missing:
@@ -134,3 +135,35 @@ def config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
     config = {k: v for k, v in config.items() if v is not None}
     _check_required(config, gguf.path, "GGUF metadata")
     return config
+
+
+def _attention_fields(field: Any, arch: str) -> dict[str, Any]:
+    """Heads and head sizes under transformers' names, for the memory planner's KV-cache estimate.
+
+    ``head_count_kv`` may be one number per layer (models mixing attention kinds); the largest is the
+    one that bounds the cache. deepseek2 (MLA): transformers caches every head's decompressed K and V,
+    whose sizes are the ``*_mla`` keys in files written since llama.cpp split kv_b_proj (there
+    key/value_length describe its compressed single-head view), and key/value_length before that.
+    """
+
+    def largest(value: Any) -> Any:
+        return max(value) if isinstance(value, (list, tuple)) and value else value
+
+    heads = largest(field("attention.head_count"))
+    fields: dict[str, Any] = {"num_attention_heads": heads}
+    if arch == "deepseek2":
+        rope = field("rope.dimension_count")
+        key = field("attention.key_length_mla", field("attention.key_length"))
+        value = field("attention.value_length_mla", field("attention.value_length"))
+        if rope is not None and key is not None:
+            fields |= {
+                "kv_lora_rank": field("attention.kv_lora_rank"),
+                "qk_rope_head_dim": rope,
+                "qk_nope_head_dim": key - rope,
+                "v_head_dim": value,
+            }
+        return fields
+    return fields | {
+        "num_key_value_heads": largest(field("attention.head_count_kv", heads)),
+        "head_dim": field("attention.key_length"),
+    }
