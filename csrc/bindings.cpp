@@ -108,6 +108,7 @@ PYBIND11_MODULE(_C, m) {
     d["avx512_vnni"] = f.avx512vnni, d["avx512_bf16"] = f.avx512bf16;
     d["amx_tile"] = f.amx_tile, d["amx_int8"] = f.amx_int8, d["amx_bf16"] = f.amx_bf16;
     d["os_ymm"] = f.os_ymm, d["os_zmm"] = f.os_zmm, d["os_amx"] = f.os_amx;
+    d["amd"] = f.amd;
     d["can_avx2"] = f.can_avx2(), d["can_avx512"] = f.can_avx512(), d["can_amx"] = f.can_amx();
     return d;
   });
@@ -203,6 +204,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("dtype"), py::arg("batch"),
       py::arg("heads"), py::arg("tokens"), py::arg("dim"), py::arg("cos_batched"));
   m.def("idle_spin_us", &ThreadPool::idle_spin_us);
+  m.def(
+      "set_int_vector_bits",
+      [](int bits) {
+        if (bits != 0 && bits != 256 && bits != 512)
+          throw py::value_error("int vector bits: expected 256, 512 or 0 (this CPU's default), got " +
+                                std::to_string(bits));
+        g_int_vector_bits = bits ? bits : default_int_vector_bits();
+      },
+      py::arg("bits"));
+  m.def("int_vector_bits", [] { return g_int_vector_bits; });
 
   py::class_<MoEEngine>(m, "MoEEngine")
       .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,

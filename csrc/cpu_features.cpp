@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
 
 namespace hetmoe {
 namespace {
@@ -29,6 +32,10 @@ bool request_amx_permission() {
 CpuFeatures detect() {
   CpuFeatures f;
   unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+  f.amd = std::strcmp(vendor, "AuthenticAMD") == 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   f.fma = c & (1u << 12);
   f.f16c = c & (1u << 29);
@@ -62,5 +69,12 @@ const CpuFeatures& cpu_features() {
   static const CpuFeatures features = detect();
   return features;
 }
+
+int default_int_vector_bits() {
+  const CpuFeatures& f = cpu_features();
+  return f.amd && f.can_avx512() ? 512 : 256;
+}
+
+int g_int_vector_bits = default_int_vector_bits();
 
 }  // namespace hetmoe

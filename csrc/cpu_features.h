@@ -9,6 +9,7 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512vnni = false, avx512bf16 = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
   bool os_ymm = false, os_zmm = false, os_amx = false;  // the OS saves that register state
+  bool amd = false;                                     // vendor "AuthenticAMD"
 
   bool can_avx2() const { return avx2 && fma && f16c && os_ymm; }
   bool can_avx512() const { return can_avx2() && avx512f && avx512bw && avx512vl && avx512vnni && os_zmm; }
@@ -17,5 +18,8 @@ struct CpuFeatures {
 
 // Detected once; the AMX permission request happens on first call.
 const CpuFeatures& cpu_features();
+
+// The default of g_int_vector_bits (kernels.h): 512 on AMD CPUs with AVX-512, else 256.
+int default_int_vector_bits();
 
 }  // namespace hetmoe

@@ -93,6 +93,10 @@ struct KernelTable {
                       int64_t k_row, int64_t v_row, const float* mask, float scale, float* scores, float* out);
 };
 
+// Vector width of the AVX-512 unit's 4-bit integer GEMVs: 512 or 256 (cpu_features.cpp picks it).
+// Read on every call, so a change applies to the next one.
+extern int g_int_vector_bits;
+
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();
 const KernelTable* amx_kernels();

@@ -17,7 +17,7 @@ import torch
 
 from hetmoe.formats import QuantizedTensor, get_codec
 from hetmoe.kernels import moe_forward_reference, select_isa
-from hetmoe.kernels.dispatch import engine_module
+from hetmoe.kernels.dispatch import engine_module, int_vector_bits, set_int_vector_bits
 from hetmoe.runtime import CPUExperts
 
 E, H, I = 8, 640, 256  # noqa: E741 - neither a multiple of the 24-row panels (tails exercised); both of 128
@@ -161,6 +161,54 @@ def test_avx2_and_avx512_agree(weights) -> None:
         select_isa(isa)
         outs.append(_experts(weights, "int4").forward(x, ids, w))
     assert _rel(outs[0], outs[1]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("method", "group"),
+    [("int4", 32), ("int4", 256), ("int4-asym", 64), ("int4-asym", 256), ("gptq", 128), ("mxfp4", 32)],
+)
+def test_4bit_gemv_widths_agree(method: str, group: int) -> None:
+    """The AVX-512 variant's 4-bit GEMVs at 256 and 512 bits wide: the same dot products summed in
+    another order. Gate and up (K = 512) take the 512-bit loop; down (K = 384: 12 blocks, not whole
+    groups of 8) the 256-bit one whatever the setting, except with groups of 256 (K = 768)."""
+    if "avx512" not in ISAS:
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(3)
+    inter = 768 if group == 256 else 384
+    w = [torch.randn(4, inter, 512, generator=g) * 0.05 for _ in range(2)]
+    w.append(torch.randn(4, 512, inter, generator=g) * 0.05)
+    codec = get_codec(method, **_codec_params(method, group, "bytes"))
+    select_isa("avx512")
+    ce = CPUExperts(*(codec.quantize(t) for t in w), gemv_max_tokens=1000)
+    try:
+        for T in (1, 3, 6):
+            gen = torch.Generator().manual_seed(T)
+            ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(T)])
+            weights_t = torch.rand(T, 2, generator=gen)
+            x = torch.randn(T, 512, generator=gen)
+            outs = []
+            for bits in (256, 512):
+                set_int_vector_bits(bits)
+                assert int_vector_bits() == bits
+                outs.append(ce.forward(x, ids, weights_t))
+            assert _rel(outs[1], _reference(ce, x, ids, weights_t)) < FP32_BOUND[method], T
+            # fp32 sums in another order move the intermediate by ulps, which can flip the rounding of
+            # its int16 codes for the down projection: ~1e-5 apart, where a wrong block would be ~1e-1.
+            assert _rel(outs[0], outs[1]) < 5e-5, T
+    finally:
+        set_int_vector_bits(0)
+    with pytest.raises(ValueError, match="expected 256, 512 or 0"):
+        set_int_vector_bits(384)
+
+
+def test_int_vector_bits_from_the_environment() -> None:
+    code = "from hetmoe.kernels.dispatch import int_vector_bits; print(int_vector_bits())"
+    env = {**os.environ, "HETMOE_INT_VECTOR_BITS": "256"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "256", proc
+    env["HETMOE_INT_VECTOR_BITS"] = "128"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and "HETMOE_INT_VECTOR_BITS='128': expected 256 or 512" in proc.stderr
 
 
 def test_async_submissions_complete_out_of_order(weights) -> None:

@@ -130,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"caches   {', '.join(f'{k} {v}' for k, v in cpu['caches'].items()) or '-'}")
     eng = r["engine"]
     if eng.get("available"):
-        print(f"engine   best variant {eng['best']}, selected {eng['selected']}")
+        print(
+            f"engine   best variant {eng['best']}, selected {eng['selected']}, "
+            f"4-bit GEMVs {eng['int_vector_bits']} bits wide"
+        )
     else:
         print(f"engine   unavailable: {eng['error']}")
     t = r["torch"]

@@ -3,6 +3,10 @@
 The variant is chosen once per process from CPUID (best of amx > avx512 > avx2), or forced with
 ``HETMOE_ISA=avx2|avx512|amx``; forcing one the CPU (or OS) lacks raises a ValueError that says
 what is missing, it never executes an illegal instruction.
+
+Within the AVX-512 variant the 4-bit GEMVs run 256 or 512 bits wide: 512 on AMD (Zen 5 runs 512-bit
+integer ops at full width), 256 elsewhere (on Intel they streamed rows no faster, measured);
+``HETMOE_INT_VECTOR_BITS=256|512`` or :func:`set_int_vector_bits` chooses.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 ISA_ENV = "HETMOE_ISA"
+INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
 _module: ModuleType | None = None
 
 
@@ -32,6 +37,11 @@ def engine_module() -> ModuleType:
             ) from None
         requested = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
         _C.select_isa(requested)
+        bits = os.environ.get(INT_VECTOR_BITS_ENV, "").strip()
+        if bits:
+            if bits not in ("256", "512"):
+                raise ValueError(f"{INT_VECTOR_BITS_ENV}={bits!r}: expected 256 or 512")
+            _C.set_int_vector_bits(int(bits))
         _module = _C
     return _module
 
@@ -60,10 +70,26 @@ def set_idle_spin_us(us: int) -> None:
     engine_module().set_idle_spin_us(int(us))
 
 
+def set_int_vector_bits(bits: int) -> None:
+    """Width of the AVX-512 variant's 4-bit integer GEMVs: 256, 512, or 0 for this CPU's default;
+    applies from the next engine call (the AVX2 variant is always 256)."""
+    engine_module().set_int_vector_bits(int(bits))
+
+
+def int_vector_bits() -> int:
+    return engine_module().int_vector_bits()
+
+
 def isa_report() -> dict[str, Any]:
     """CPU features as the engine sees them, the best and the selected variant."""
     try:
         mod = engine_module()
     except (EngineUnavailableError, ValueError) as exc:
         return {"available": False, "error": str(exc)}
-    return {"available": True, "features": mod.cpu_features(), "best": mod.best_isa(), "selected": mod.selected_isa()}
+    return {
+        "available": True,
+        "features": mod.cpu_features(),
+        "best": mod.best_isa(),
+        "selected": mod.selected_isa(),
+        "int_vector_bits": mod.int_vector_bits() if mod.selected_isa() != "avx2" else 256,
+    }
