@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -190,6 +191,68 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("kv_heads"),
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
       py::arg("mask"), py::arg("scale"), py::arg("out"));
+  m.def(
+      "attn_prefill",
+      [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t heads, int64_t kv_heads,
+         int64_t tokens, int64_t L, int Dk, int Dv, py::tuple k_strides, py::tuple v_strides, uintptr_t mask,
+         int64_t mask_heads, int64_t past, bool causal, float scale, uintptr_t out) {
+        // Shapes, dtypes and layouts are checked in Python (hetmoe/models/cpu_attention.py): q fp32
+        // [B, H, T, Dk] contiguous; k [B, KV, L, Dk], v [B, KV, L, Dv] with the given (batch, head,
+        // row) strides in elements and unit stride along D; mask fp32 additive [B, mask_heads, T, L]
+        // contiguous or 0; out fp32 [B, T, H, Dv]. Causal: token t sees keys l <= past + t.
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (kv_dtype != kF32 && kv_dtype != kBF16Data) throw py::value_error("attn_prefill: kv dtype must be 0 or 1");
+        if (Dk <= 0 || Dk % 16 || Dv <= 0 || Dv % 16 || kv_heads <= 0 || heads % kv_heads || L <= 0 || tokens <= 0)
+          throw py::value_error("attn_prefill: bad shape");
+        if (mask && mask_heads != 1 && mask_heads != heads) throw py::value_error("attn_prefill: mask heads");
+        if (k_strides.size() != 3 || v_strides.size() != 3) throw py::value_error("attn_prefill: 3 strides each");
+        const int64_t kb = k_strides[0].cast<int64_t>(), kh = k_strides[1].cast<int64_t>(),
+                      kr = k_strides[2].cast<int64_t>();
+        const int64_t vb = v_strides[0].cast<int64_t>(), vh = v_strides[1].cast<int64_t>(),
+                      vr = v_strides[2].cast<int64_t>();
+        const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
+        const int64_t G = heads / kv_heads;
+        constexpr int64_t kTokensPerItem = 16;  // x G query heads: the rows sharing one pass over K/V
+        const int64_t blocks = (tokens + kTokensPerItem - 1) / kTokensPerItem;
+        py::gil_scoped_release release;
+        const KernelTable* kt = g_selected;
+        const float* qf = reinterpret_cast<const float*>(q);
+        const float* mf = reinterpret_cast<const float*>(mask);
+        float* of = reinterpret_cast<float*>(out);
+        // One item per (batch row, KV head, block of tokens), over the engine's pool; the later
+        // tokens' blocks (longer causal prefixes) are claimed as the others finish.
+        auto job = std::make_shared<ForJob>(int(batch * kv_heads * blocks), [=](int item) {
+          thread_local std::vector<float> scratch;
+          thread_local std::vector<const float*> qrows, mrows;
+          thread_local std::vector<float*> orows;
+          thread_local std::vector<int64_t> visible;
+          const int64_t b = item / (kv_heads * blocks), h = item / blocks % kv_heads, t0 = item % blocks * kTokensPerItem;
+          const int64_t nt = std::min(kTokensPerItem, tokens - t0);
+          const int M = int(G * nt);
+          qrows.resize(M), mrows.resize(M), orows.resize(M), visible.resize(M);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = h * G + g;
+            for (int64_t i = 0; i < nt; ++i) {
+              const int64_t t = t0 + i, m = g * nt + i;
+              qrows[m] = qf + ((b * heads + head) * tokens + t) * Dk;
+              orows[m] = of + ((b * tokens + t) * heads + head) * Dv;
+              visible[m] = causal ? std::min(L, past + t + 1) : L;
+              mrows[m] = mf ? mf + ((b * mask_heads + (mask_heads == 1 ? 0 : head)) * tokens + t) * L : nullptr;
+            }
+          }
+          const size_t need = size_t(kAttnScratch(M, Dk, Dv));
+          if (scratch.size() < need) scratch.resize(need);
+          kt->attn_prefill(qrows.data(), M, visible.data(), reinterpret_cast<const uint8_t*>(k) + (b * kb + h * kh) * elem,
+                           reinterpret_cast<const uint8_t*>(v) + (b * vb + h * vh) * elem, kv_dtype, Dk, Dv, kr, vr,
+                           mf ? mrows.data() : nullptr, scale, orows.data(), scratch.data());
+        });
+        global_pool()->submit(job);
+        job->wait();
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("heads"),
+      py::arg("kv_heads"), py::arg("tokens"), py::arg("length"), py::arg("dk"), py::arg("dv"), py::arg("k_strides"),
+      py::arg("v_strides"), py::arg("mask"), py::arg("mask_heads"), py::arg("past"), py::arg("causal"),
+      py::arg("scale"), py::arg("out"));
   m.def(
       "rope",
       [](uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype, int64_t batch, int64_t heads,

@@ -91,7 +91,18 @@ struct KernelTable {
   // 0) or bf16 (1), k_row / v_row elements apart; mask: additive [L] or nullptr; scores: [G, L].
   void (*attn_decode)(const float* q, int G, const void* k, const void* v, int kv_dtype, int64_t L, int D,
                       int64_t k_row, int64_t v_row, const float* mask, float scale, float* scores, float* out);
+  // M query rows (prefill) over one KV head: out[m][:Dv] = softmax(scale * q[m] . K^T + mask[m]) V over
+  // the keys l < visible[m]; q rows fp32 [Dk]; K rows of Dk, V rows of Dv (multiples of 16) in fp32
+  // (kv_dtype 0) or bf16 (1), k_row / v_row elements apart; mask[m]: additive fp32 [L] or nullptr
+  // (mask itself may be nullptr); scratch: kAttnScratch(M, Dk, Dv) floats.
+  void (*attn_prefill)(const float* const* q, int M, const int64_t* visible, const void* k, const void* v,
+                       int kv_dtype, int Dk, int Dv, int64_t k_row, int64_t v_row, const float* const* mask,
+                       float scale, float* const* out, float* scratch);
 };
+
+// Floats of scratch attn_prefill needs: a block of 64 K and V rows in fp32, M x 64 scores, and a
+// running max and sum per row.
+constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk + Dv) + int64_t(M) * 66; }
 
 // Vector width of the AVX-512 unit's 4-bit integer GEMVs: 512 or 256 (cpu_features.cpp picks it).
 // Read on every call, so a change applies to the next one.
