@@ -81,13 +81,30 @@ def _prefill_mask(kind: str | None, b: int, h: int, t: int, length: int) -> torc
     return mask
 
 
+def _isas() -> list[str]:
+    from hetmoe.kernels.dispatch import engine_module
+
+    feats = engine_module().cpu_features()
+    return [isa for isa in ("avx2", "avx512") if feats[f"can_{isa}"]]
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    from hetmoe.kernels import select_isa
+
+    select_isa(request.param)
+    yield request.param
+    select_isa("auto")
+
+
 @pytest.mark.parametrize(("h", "kv", "dim"), [(8, 8, 64), (8, 2, 128), (4, 1, 32)])
 @pytest.mark.parametrize(
     ("mask_kind", "past"), [(None, 0), ("bool", 0), ("bool", 9), ("bool-heads", 5), ("additive", 0)]
 )
-def test_prefill_equals_sdpa(h: int, kv: int, dim: int, mask_kind: str | None, past: int) -> None:
-    """Several query tokens (a prompt, or a prompt continuing a cache) through the engine's kernel:
-    fp32 within rounding of SDPA, over more keys than one block of 64 and a ragged last block."""
+def test_prefill_equals_sdpa(isa: str, h: int, kv: int, dim: int, mask_kind: str | None, past: int) -> None:
+    """Several query tokens (a prompt, or a prompt continuing a cache) through the engine's kernel, on
+    every ISA variant: fp32 within rounding of SDPA, over more keys than one block of 64 and a ragged
+    last block."""
     b, t = 2, 70
     q, k, v = _inputs(b, h, kv, t, past + t, torch.float32, seed=t + past)
     if dim != 64:
