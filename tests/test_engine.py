@@ -201,6 +201,33 @@ def test_4bit_gemv_widths_agree(method: str, group: int) -> None:
         set_int_vector_bits(384)
 
 
+def test_default_gemv_switch_follows_the_vector_width() -> None:
+    """Where the 512-bit nibble GEMV runs every projection, experts and linears stay on it at every
+    token count; at 256 bits, or for other formats or widths, the measured switch points hold."""
+    from hetmoe.runtime.cpu_experts import GEMV_MAX_INTEGER, default_gemv_max
+    from hetmoe.runtime.cpu_linear import CPULinear
+    from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
+
+    if "avx512" not in ISAS:
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(0)
+    int4 = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, k, generator=g)) for k in (512, 512)]
+    int8 = [get_codec("int8").quantize(torch.randn(2, 64, 512, generator=g))]
+    ragged = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, 320, generator=g))]
+    select_isa("avx512")
+    try:
+        set_int_vector_bits(512)
+        assert default_gemv_max(int4) == GEMV_ALL_TOKENS
+        assert default_gemv_max(int8) == default_gemv_max(ragged) == GEMV_MAX_INTEGER
+        assert CPULinear(torch.randn(64, 512), method="int4").gemv_max_tokens == GEMV_ALL_TOKENS
+        assert CPULinear(torch.randn(64, 512), method="int8").gemv_max_tokens == 4
+        set_int_vector_bits(256)
+        assert default_gemv_max(int4) == GEMV_MAX_INTEGER
+        assert CPULinear(torch.randn(64, 512), method="int4").gemv_max_tokens == 4
+    finally:
+        set_int_vector_bits(0)
+
+
 def test_int_vector_bits_from_the_environment() -> None:
     code = "from hetmoe.kernels.dispatch import int_vector_bits; print(int_vector_bits())"
     env = {**os.environ, "HETMOE_INT_VECTOR_BITS": "256"}

@@ -34,7 +34,7 @@ class DenseConverter:
         group_size: int | None,
         moe_blocks: list[nn.Module],
         keep_fp32: list[re.Pattern[str]],
-        gemv_max_tokens: int = 4,
+        gemv_max_tokens: int | None = None,
         fuse: bool = True,
     ) -> None:
         check_method(method, "dense_method")

@@ -100,7 +100,7 @@ def load_model(
     ``dense_group_size``, bf16, a GGUF type), quantized one layer at a time as they are read
     (models/dense_engine.py). ``gemv_max_tokens``: an expert with at most this many tokens in a
     forward streams its weights through the GEMV kernels, more dequantize panels for the GEMM (None:
-    the per-method default of runtime/cpu_experts.py; dense layers use 4). ``check_memory``: before
+    the per-method defaults of runtime/cpu_experts.py and cpu_linear.py). ``check_memory``: before
     reading any weight, the memory planner (models/planner.py) checks that the model fits the RAM and
     device memory, else PlanError.
 
@@ -170,7 +170,7 @@ def load_model(
             dense_group_size,
             list(hybrids.values()),
             keep_fp32,
-            gemv_max_tokens if gemv_max_tokens is not None else 4,
+            gemv_max_tokens,
         )
     _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
     dense_notes = dense.finish(model) if dense is not None else []
