@@ -83,3 +83,11 @@ def test_bad_input() -> None:
         parse_variant("int4")
     assert main(["bench", "model", "--layers", "0"]) == 1
     assert main(["bench", "model", "--variants", "int4", "--cache-dir", "/nonexistent/never-built"]) == 1
+
+
+def test_llama_cpp_reference_is_the_machine_kinds() -> None:
+    from hetmoe.bench.model import LLAMA_CPP, llama_cpp_reference
+
+    assert llama_cpp_reference("AMD EPYC") == ("AMD", {"AMD": LLAMA_CPP["AMD"]})
+    assert llama_cpp_reference("Intel(R) Xeon(R) Platinum 8581C")[0] == "Intel"
+    assert llama_cpp_reference("Neoverse-V2") == (None, LLAMA_CPP)  # unknown: every machine's, labelled

@@ -26,7 +26,7 @@ Per variant and torch thread count it measures, with medians over repeats:
 
 Thread policy: the engine's pool has ``threads`` workers (default: every usable core); torch's
 intra-op threads are set per run (``torch_threads``), since both compete for the same cores.
-llama.cpp's figures on the reference machine are printed next to the results for comparison.
+llama.cpp's figures for this kind of machine (LLAMA_CPP) are printed next to the results.
 """
 
 from __future__ import annotations
@@ -46,14 +46,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.atomic import write_text_atomic
+from ..hw import cpu_info
 from ..kernels import select_isa, set_num_threads
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.hybrid import HybridMoE
 from .cache_flush import CacheFlush, last_level_cache_bytes
 from .model_build import DEFAULT_CACHE, ModelShape, build_model
 
-# llama.cpp on the reference machine (2 threads), this exact model: (decode tok/s, prefill tok/s).
-LLAMA_CPP = {"Q4_0": (80.0, 220.0), "Q4_K_M": (75.0, 207.0), "BF16": (28.0, 110.0)}
+# llama.cpp on this project's machines (2 threads), this exact model, per GGUF type: decode tok/s and
+# prefill tok/s by prompt length (None: not measured). The machine is matched by the vendor in the
+# CPU's model name; this project's VMs come as one of these two kinds.
+# - Intel Xeon (family 6 model 207, AVX-512 without AMX): the figures issue 7 states.
+# - AMD EPYC (family 26, Zen 5): llama.cpp 0c1e570 (the copy inside llama-cpp-python 0.3.36) built
+#   on the machine with -march=native, `llama-bench -t 2 -p 128,512 -n 64`, medians of 4-5 runs
+#   taken with the machine otherwise idle (2026-12-01; decode varied +-20% between runs).
+LLAMA_CPP: dict[str, dict[str, dict[str, float | None]]] = {
+    "Intel": {
+        "Q4_0": {"decode": 80.0, "prefill 128": None, "prefill 512": 220.0},
+        "Q4_K_M": {"decode": 75.0, "prefill 128": None, "prefill 512": 207.0},
+        "BF16": {"decode": 28.0, "prefill 128": None, "prefill 512": 110.0},
+    },
+    "AMD": {
+        "Q4_0": {"decode": 252.0, "prefill 128": 616.0, "prefill 512": 587.0},
+        "Q4_K_M": {"decode": 235.0, "prefill 128": 679.0, "prefill 512": 658.0},
+        "BF16": {"decode": 82.0, "prefill 128": 609.0, "prefill 512": 669.0},
+    },
+}
+
+
+def llama_cpp_reference(cpu_model: str) -> tuple[str | None, dict[str, dict[str, dict[str, float | None]]]]:
+    """The llama.cpp figures of the machine kind whose vendor ``cpu_model`` names, else all of them."""
+    for vendor, figures in LLAMA_CPP.items():
+        if vendor.lower() in cpu_model.lower():
+            return vendor, {vendor: figures}
+    return None, LLAMA_CPP
+
+
 DEFAULT_VARIANTS = ("int4/int8", "int4/int4", "int4/torch", "bf16/bf16", "gguf:q4_0/gguf:q4_0")
 PARTS = ("attn_linears", "attn_core", "router_glue", "cpu_experts", "lm_head", "other")
 OVERHEAD_TARGET = 1.3
@@ -349,6 +377,8 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
     if cfg.threads:
         set_num_threads(cfg.threads)
     engine_threads = cfg.threads or len(os.sched_getaffinity(0))  # the pool's default: every usable core
+    cpu_model = cpu_info().model
+    same_kind, reference = llama_cpp_reference(cpu_model)
     base = build_model(cfg.shape, cfg.cache_dir, cfg.seed, log)
     sources = {m: _source_for(base, m, cfg.cache_dir, log) for m in dict.fromkeys(e for e, _ in variants)}
     records = []
@@ -364,7 +394,9 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
         "steps": cfg.steps,
         "repeats": cfg.repeats,
         "flush_bytes": cfg.flush_bytes if cfg.flush_bytes is not None else 2 * last_level_cache_bytes(),
-        "llama_cpp": {k: {"decode_tokens_per_s": d, "prefill_tokens_per_s": p} for k, (d, p) in LLAMA_CPP.items()},
+        "cpu": cpu_model,
+        "llama_cpp_machine": same_kind,
+        "llama_cpp": reference,
         "records": records,
     }
 
@@ -399,8 +431,12 @@ def format_table(result: dict[str, Any]) -> str:
         row += f"{d['vs_parts']:7.2f} "
         row += " ".join(f"{r['prefill'][t]['tokens_per_s']:8.1f} {r['prefill'][t]['vs_parts']:7.2f}" for t in keys)
         lines.append(row)
-    for name, (dec, pf) in LLAMA_CPP.items():
-        lines.append(f"{'llama.cpp ' + name:22s} {2:5d} {dec:8.1f} {1e3 / dec:7.2f} {'':7s} {pf:8.1f}  (reference)")
+    for machine, figures in result["llama_cpp"].items():
+        where = "this kind of machine" if machine == result.get("llama_cpp_machine") else f"the {machine} machine"
+        for name, f in figures.items():
+            row = f"{'llama.cpp ' + name:22s} {2:5d} {f['decode']:8.1f} {1e3 / f['decode']:7.2f} "
+            row += " ".join(f"{f'{x:.1f}' if (x := f.get('prefill ' + t)) else '-':>8s} {'':7s}" for t in keys)
+            lines.append(f"{row} ({where})")
     header = f"{'variant':22s} {'torch':>5s} " + " ".join(f"{p:>19s}" for p in (*PARTS, "total"))
     lines += ["", "decode, ms per token by part (in the model | each part alone, summed over layers):", header]
     lines += [_split_row(r, r["decode"], 2) for r in result["records"]]
