@@ -128,12 +128,17 @@ class MoEJob final : public Job {
   void gate_up(int item) {
     const ActiveExpert& a = active_[item / chunks_up_];
     const int first = (item % chunks_up_) * rows_up_, last = std::min(I_, first + rows_up_);
+    // Up to kGemvTokens tokens (decode) read each row once: the item's gate rows, then its up rows, as
+    // two long streams (Zen 5, 1-token int4 decode from DRAM: 0.672 -> 0.620 ms, in-process A/B; int8
+    // level). More tokens go a panel at a time, so a panel's rows stay in cache for the token groups.
+    if (a.count <= kGemvTokens && a.count <= gemv_max_) return gate_up_panel(a, first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) gate_up_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 
   void gate_up_panel(const ActiveExpert& a, int n0, int n1) {
     const int R = n1 - n0;
-    float* up_block = sized(tl_scratch.block, size_t(std::max(a.count, kGemvTokens)) * kPanelRows);
+    const int ldu = std::max(R, kPanelRows);
+    float* up_block = sized(tl_scratch.block, size_t(std::max(a.count, kGemvTokens)) * ldu);
     if (a.count <= gemv_max_) {
       for (int t0 = 0; t0 < a.count; t0 += kGemvTokens) {
         const int nt = std::min(kGemvTokens, a.count - t0);
@@ -145,8 +150,8 @@ class MoEJob final : public Job {
         float* g = h_.get() + size_t(a.first_slot + t0) * I_ + n0;
         // Gate straight into h (row stride I), up into scratch; then h = silu(h) * up.
         kt_->gemv[gate_.method](gate_, a.expert, n0, n1, acts, nt, g, I_);
-        kt_->gemv[up_.method](up_, a.expert, n0, n1, acts, nt, up_block, kPanelRows);
-        activate(a.expert, n0, R, g, I_, up_block, kPanelRows, nt);
+        kt_->gemv[up_.method](up_, a.expert, n0, n1, acts, nt, up_block, ldu);
+        activate(a.expert, n0, R, g, I_, up_block, ldu, nt);
       }
       return;
     }
