@@ -14,11 +14,13 @@ Per variant and torch thread count it measures, with medians over repeats:
   as ``generate`` asks for); tokens/s;
 - the split of that time over the model's parts, from forward hooks in a separate pass (the
   headline numbers come from passes without hooks): attention linears (q/k/v/o, torch or engine),
-  attention core (everything else in attention: norms of q/k, RoPE, SDPA, the cache), router and
+  attention core (everything else in attention: norms of q/k, RoPE, the attention itself, the
+  cache), router and
   glue of the MoE blocks, CPU experts (submit to result), lm_head, and other (embeddings, norms,
   residuals, Python);
 - the sum of parts measured separately: each part run alone on inputs of the same shape (the
-  attention linears, an SDPA over the same context, the router, every layer's CPU experts on routed
+  attention linears, the model's attention function over the same context, the router, every
+  layer's CPU experts on routed
   tokens, the lm_head), summed over the layers, with the caches flushed before each timing (a
   buffer of twice the last-level cache is read) so that each part reads its weights from DRAM as it
   does inside a decode step. A decode step within 1.3x of that sum means little is lost between
@@ -248,6 +250,19 @@ def _time_alone(fn: Callable[[], Any], repeats: int, flush: CacheFlush) -> float
     return _median_ms(times)
 
 
+def _attention_alone(model: nn.Module, q: torch.Tensor, kv: torch.Tensor) -> Callable[[], Any]:
+    """The model's own attention function (hetmoe's CPU attention on a CPU-only load) on q over kv."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = model.config._attn_implementation
+    attn = model.model.layers[0].self_attn
+    if name in ALL_ATTENTION_FUNCTIONS:
+        fn = ALL_ATTENTION_FUNCTIONS[name]
+        return lambda: fn(attn, q, kv, kv, None, scaling=attn.scaling)
+    causal = q.shape[2] > 1
+    return lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=causal, enable_gqa=True)
+
+
 def _parts_alone(
     model: nn.Module, shape: ModelShape, tokens: int, context: int, repeats: int, flush: CacheFlush
 ) -> dict[str, float]:
@@ -276,10 +291,7 @@ def _parts_alone(
         out["cpu_experts"] += _time_alone(lambda moe=moe, d=draws: moe.cpu.forward(*d.pop()), repeats, flush)
     q = torch.randn(1, shape.heads, tokens, shape.head_dim, generator=gen).to(dtype)
     kv = torch.randn(1, shape.kv_heads, context + tokens, shape.head_dim, generator=gen).to(dtype)
-    causal = tokens > 1
-    out["attn_core"] = len(layers) * _time_alone(
-        lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=causal, enable_gqa=True), repeats, flush
-    )
+    out["attn_core"] = len(layers) * _time_alone(_attention_alone(model, q, kv), repeats, flush)
     head = model.get_output_embeddings()
     x = torch.randn(1, 1, shape.hidden, generator=gen).to(dtype)
     out["lm_head"] = _time_alone(lambda: head(x), repeats, flush)
