@@ -15,16 +15,14 @@ Per variant and torch thread count it measures, with medians over repeats:
 - the split of that time over the model's parts, from forward hooks in a separate pass (the
   headline numbers come from passes without hooks): attention linears (q/k/v/o, torch or engine),
   attention core (everything else in attention: norms of q/k, RoPE, the attention itself, the
-  cache), router and
-  glue of the MoE blocks, CPU experts (submit to result), lm_head, and other (embeddings, norms,
-  residuals, Python);
+  cache), router and glue of the MoE blocks, CPU experts (submit to result), lm_head, and other
+  (embeddings, norms, residuals, Python);
 - the sum of parts measured separately: each part run alone on inputs of the same shape (the
   attention linears, the model's attention function over the same context, the router, every
-  layer's CPU experts on routed
-  tokens, the lm_head), summed over the layers, with the caches flushed before each timing (a
-  buffer of twice the last-level cache is read) so that each part reads its weights from DRAM as it
-  does inside a decode step. A decode step within 1.3x of that sum means little is lost between
-  the parts.
+  layer's CPU experts on routed tokens, the lm_head), summed over the layers, with the caches
+  flushed before each timing (a buffer of twice the last-level cache is read) so that each part
+  reads its weights from DRAM as it does inside a decode step. A decode step within 1.3x of that
+  sum means little is lost between the parts.
 
 Thread policy: the engine's pool has ``threads`` workers (default: every usable core); torch's
 intra-op threads are set per run (``torch_threads``), since both compete for the same cores.
