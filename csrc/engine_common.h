@@ -33,10 +33,10 @@ inline float* sized(std::vector<float>& v, size_t n) {
 }
 
 // The activation layout each method's GEMV kernel reads (Act in kernels.h).
-inline int act_quant_for(int method) {
+inline int act_quant_for(const KernelTable* kt, int method, int K) {
   switch (method) {
     case kInt4:
-    case kMXFP4: return kActPairs;
+    case kMXFP4: return kt->pairs_layout(K);
     case kInt8:
     case kQ4K:
     case kQ6K:
@@ -94,6 +94,7 @@ struct ActBuffers {
   Act act(const float* row, int r) const {
     Act a;
     a.f = row;
+    a.quads = mode == kActQuads;
     if (mode != kActNone) {
       const size_t nb = K / kActBlock;
       a.q = q.get() + size_t(r) * K;

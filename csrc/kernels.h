@@ -62,9 +62,12 @@ struct Act {
   const int16_t* q = nullptr;
   const float* d = nullptr;
   const int32_t* sum = nullptr;  // per block: sum of its codes (for formats with a min term, Q4_K)
+  bool quads = false;            // the digits are in kActQuads' layout
 };
 
-enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2 };
+// kActQuads: kActPairs' digits with four blocks per group instead of two (rows of whole groups of 8
+// blocks), for the AVX-512 unit's 512-bit nibble GEMV (kernels_common.inc).
+enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2, kActQuads = 3 };
 
 struct KernelTable {
   const char* name;
@@ -76,6 +79,9 @@ struct KernelTable {
   void (*gemm_panel)(const float* panel, int R, int K, const float* const* a, int T, float* c, int ldc);
   // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
   void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
+  // The digit layout the 4-bit GEMVs want for rows of K: kActQuads where they run 512 bits wide
+  // (g_int_vector_bits, K a multiple of 256), else kActPairs.
+  int (*pairs_layout)(int K);
   // h[i] = silu(g[i]) * u[i]
   void (*silu_mul)(const float* g, const float* u, float* h, int n);
   // Clamped SwiGLU of gpt-oss: g = min(g, limit); u = clamp(u, -limit, limit);

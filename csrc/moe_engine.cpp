@@ -37,9 +37,9 @@ class MoEJob final : public Job {
     chunks_up_ = (I + rows_up_ - 1) / rows_up_;
     chunks_down_ = (H + rows_down_ - 1) / rows_down_;
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
-    x_act_.allocate(T, H, act_quant_for(gate.method));
+    x_act_.allocate(T, H, act_quant_for(kt, gate.method, H));
     h_ = uninit<float>(size_t(S_) * I);
-    h_act_.allocate(S_, I, act_quant_for(down.method));
+    h_act_.allocate(S_, I, act_quant_for(kt, down.method, I));
     ybuf_ = uninit<float>(size_t(S_) * H);
   }
 
