@@ -448,13 +448,15 @@ def test_a_failure_inside_the_worker_fails_only_that_request(server, client, ref
     parts += [c.choices[0].delta.content or "" for c in it]
     assert "".join(parts) == want
 
-    # A failed decode step fails the requests of that step; the worker serves the next ones.
+    # A failed decode step fails the requests of that step; the worker serves the next ones. The
+    # step is the request's first decode step (set before it starts: set after its first chunk, a
+    # fast machine could finish all 50 tokens before the flag was seen).
+    fail_next_decode.set()
     stream = client.completions.create(
         model=NAME, prompt="abc", max_tokens=50, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     it = iter(stream)
-    next(it)
-    fail_next_decode.set()
+    next(it)  # the token of the prefill
     with pytest.raises(openai.APIError, match="a decode step broke"):
         list(it)
     assert metric(metrics(server), "hetmoe_requests_failed_total") == 2
