@@ -13,6 +13,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cpu_features.h"
 #include "kernels.h"
 #include "thread_pool.h"
 
@@ -31,6 +32,9 @@ inline float* sized(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
+
+// Whether the GEMM path of bf16 weights meets bf16 activations in the table's VDPBF16PS kernel.
+inline bool bf16_dot(const KernelTable* kt) { return kt->gemm_bf16 != nullptr && cpu_features().avx512bf16; }
 
 // The activation layout each method's GEMV kernel reads (Act in kernels.h).
 inline int act_quant_for(const KernelTable* kt, int method, int K) {

@@ -77,6 +77,11 @@ struct KernelTable {
   void (*dequant_rows[kNumMethods])(const Proj& p, int e, int n0, int n1, float* panel);
   // c[t * ldc + r] = dot(panel[r, :K], a[t][:K]) for r < R (<= kPanelRows), t < T.
   void (*gemm_panel)(const float* panel, int R, int K, const float* const* a, int T, float* c, int ldc);
+  // c[t * ldc + r] = dot(w[r * w_stride :][:K], a[t][:K]) over bf16 weight rows and bf16 activation
+  // rows (K a multiple of 32), products summed in fp32 (VDPBF16PS). nullptr in units without it; run
+  // only where the CPU has AVX512-BF16 (engine_common.h: bf16_dot).
+  void (*gemm_bf16)(const uint16_t* w, int64_t w_stride, int R, int K, const uint16_t* const* a, int T, float* c,
+                    int ldc);
   // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
   void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
   // The digit layout the 4-bit GEMVs want for rows of K: kActQuads where they run 512 bits wide

@@ -9,6 +9,7 @@ namespace hetmoe {
 namespace {
 
 using engine::act_quant_for;
+using engine::bf16_dot;
 using engine::ActBuffers;
 using engine::f32_to_bf16;
 using engine::item_rows;
@@ -80,6 +81,11 @@ class LinearJob final : public Job {
         for (int i = 0; i < n; ++i) acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
         kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
       }
+    } else if (w_.method == kBF16 && x_dtype_ == kBF16Data && bf16_dot(kt_)) {  // bf16 rows, bf16 x: VDPBF16PS
+      std::vector<const uint16_t*> rows(nt);
+      for (int i = 0; i < nt; ++i) rows[i] = static_cast<const uint16_t*>(x_) + size_t(t0 + i) * K_;
+      const uint16_t* w = reinterpret_cast<const uint16_t*>(w_.w + int64_t(first) * w_.w_rstride);
+      kt_->gemm_bf16(w, w_.w_rstride / 2, R, K_, rows.data(), nt, block, rows_);
     } else {
       std::vector<const float*> rows(nt);
       for (int i = 0; i < nt; ++i) rows[i] = x_row(t0 + i);

@@ -12,6 +12,7 @@ namespace hetmoe {
 namespace {
 
 using engine::act_quant_for;
+using engine::bf16_dot;
 using engine::ActBuffers;
 using engine::f32_to_bf16;
 using engine::item_rows;
@@ -40,6 +41,12 @@ class MoEJob final : public Job {
     x_act_.allocate(T, H, act_quant_for(kt, gate.method, H));
     h_ = uninit<float>(size_t(S_) * I);
     h_act_.allocate(S_, I, act_quant_for(kt, down.method, I));
+    // A bf16 model's bf16 experts: GEMM-path experts take VDPBF16PS on the bf16 rows, the
+    // intermediate rounded to bf16 first (as the model's own bf16 MLP rounds it).
+    const bool dot = x_dtype_ == kBF16Data && bf16_dot(kt);
+    bf16_up_ = dot && gate.method == kBF16 && up.method == kBF16;
+    bf16_down_ = dot && down.method == kBF16;
+    if (bf16_down_) hb_.reset(new uint16_t[size_t(S_) * I]);
     ybuf_ = uninit<float>(size_t(S_) * H);
   }
 
@@ -49,8 +56,8 @@ class MoEJob final : public Job {
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare_token(t); }};
       case 1:  // gate and up, then SiLU * up, by (expert, block of rows of I)
         return {static_cast<int>(active_.size()) * chunks_up_, [this](int i, int) { gate_up(i); }};
-      case 2:  // the intermediate activations quantized for an integer down projection
-        return {h_act_.mode != kActNone ? S_ : 0, [this](int s, int) { h_act_.quantize(kt_, h_.get() + size_t(s) * I_, s); }};
+      case 2:  // the intermediate activations quantized for an integer down projection (or to bf16)
+        return {h_act_.mode != kActNone || bf16_down_ ? S_ : 0, [this](int s, int) { prepare_h(s); }};
       case 3:  // down, by (expert, block of rows of H)
         return {static_cast<int>(active_.size()) * chunks_down_, [this](int i, int) { down(i); }};
       case 4:  // weighted sum of each token's expert outputs
@@ -95,6 +102,17 @@ class MoEJob final : public Job {
         slot_of_[p] = s;
       }
     }
+  }
+
+  void prepare_h(int s) {
+    const float* h = h_.get() + size_t(s) * I_;
+    h_act_.quantize(kt_, h, s);
+    if (bf16_down_)
+      for (int i = 0; i < I_; ++i) hb_[size_t(s) * I_ + i] = f32_to_bf16(h[i]);
+  }
+
+  static const uint16_t* bf16_row(const Proj& p, int e, int n) {
+    return reinterpret_cast<const uint16_t*>(p.w + e * p.w_estride + int64_t(n) * p.w_rstride);
   }
 
   const float* x_row(int t) const {
@@ -155,13 +173,21 @@ class MoEJob final : public Job {
       }
       return;
     }
+    float* g = h_.get() + size_t(a.first_slot) * I_ + n0;
+    if (bf16_up_) {
+      std::vector<const uint16_t*> rows(a.count);
+      for (int i = 0; i < a.count; ++i) rows[i] = static_cast<const uint16_t*>(x_) + size_t(slot_token_[a.first_slot + i]) * H_;
+      kt_->gemm_bf16(bf16_row(gate_, a.expert, n0), gate_.w_rstride / 2, R, H_, rows.data(), a.count, g, I_);
+      kt_->gemm_bf16(bf16_row(up_, a.expert, n0), up_.w_rstride / 2, R, H_, rows.data(), a.count, up_block, ldu);
+      activate(a.expert, n0, R, g, I_, up_block, ldu, a.count);
+      return;
+    }
     float* pg = sized(tl_scratch.panel_a, size_t(kPanelRows) * H_);
     float* pu = sized(tl_scratch.panel_b, size_t(kPanelRows) * H_);
     kt_->dequant_rows[gate_.method](gate_, a.expert, n0, n1, pg);
     kt_->dequant_rows[up_.method](up_, a.expert, n0, n1, pu);
     std::vector<const float*> rows(a.count);
     for (int i = 0; i < a.count; ++i) rows[i] = x_row(slot_token_[a.first_slot + i]);
-    float* g = h_.get() + size_t(a.first_slot) * I_ + n0;
     kt_->gemm_panel(pg, R, H_, rows.data(), a.count, g, I_);
     kt_->gemm_panel(pu, R, H_, rows.data(), a.count, up_block, kPanelRows);
     activate(a.expert, n0, R, g, I_, up_block, kPanelRows, a.count);
@@ -186,6 +212,13 @@ class MoEJob final : public Job {
         }
         kt_->gemv[down_.method](down_, a.expert, n0, n1, acts, nt, out + size_t(t0) * H_, H_);
       }
+      add_down_bias(a, n0, R, out);
+      return;
+    }
+    if (bf16_down_) {
+      std::vector<const uint16_t*> rows(a.count);
+      for (int i = 0; i < a.count; ++i) rows[i] = hb_.get() + size_t(a.first_slot + i) * I_;
+      kt_->gemm_bf16(bf16_row(down_, a.expert, n0), down_.w_rstride / 2, R, I_, rows.data(), a.count, out, H_);
       add_down_bias(a, n0, R, out);
       return;
     }
@@ -236,6 +269,8 @@ class MoEJob final : public Job {
   std::vector<int> slot_token_, slot_of_;
   int S_ = 0, chunks_up_ = 0, chunks_down_ = 0, rows_up_ = kPanelRows, rows_down_ = kPanelRows;
   std::unique_ptr<float[]> xf_, h_, ybuf_;
+  std::unique_ptr<uint16_t[]> hb_;  // the intermediate in bf16, for bf16_down_
+  bool bf16_up_ = false, bf16_down_ = false;
   ActBuffers x_act_, h_act_;
 };
 
