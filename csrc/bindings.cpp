@@ -192,6 +192,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
       py::arg("mask"), py::arg("scale"), py::arg("out"));
   m.def(
+      "f32_to_bf16",
+      [](uintptr_t src, uintptr_t dst, int64_t n) {
+        // fp32 [n] -> bf16 [n], contiguous (checked in Python); the conversion the engine's bf16 paths use.
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (n < 0 || n > INT32_MAX) throw py::value_error("f32_to_bf16: bad length");
+        g_selected->f32_to_bf16(reinterpret_cast<const float*>(src), reinterpret_cast<uint16_t*>(dst), int(n));
+      },
+      py::arg("src"), py::arg("dst"), py::arg("n"));
+  m.def(
       "attn_prefill",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t heads, int64_t kv_heads,
          int64_t tokens, int64_t L, int Dk, int Dv, py::tuple k_strides, py::tuple v_strides, uintptr_t mask,

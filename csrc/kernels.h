@@ -94,6 +94,8 @@ struct KernelTable {
   void (*swiglu_oai)(const float* g, const float* u, float* h, int n, float alpha, float limit);
   // dst[i] = float(src_bf16[i])
   void (*bf16_to_f32)(const uint16_t* src, float* dst, int n);
+  // dst[i] = bf16(src[i]), round to nearest even, NaN kept a (quiet) NaN
+  void (*f32_to_bf16)(const float* src, uint16_t* dst, int n);
   // Independent FMA chains for `iters` rounds (the doctor's peak measurement); returns the flops
   // done. `sink` receives a result so the work cannot be optimized away.
   double (*fma_burn)(int64_t iters, float* sink);

@@ -43,7 +43,8 @@ class MoEJob final : public Job {
     h_act_.allocate(S_, I, act_quant_for(kt, down.method, I));
     // A bf16 model's bf16 experts: GEMM-path experts take VDPBF16PS on the bf16 rows, the
     // intermediate rounded to bf16 first (as the model's own bf16 MLP rounds it).
-    const bool dot = x_dtype_ == kBF16Data && bf16_dot(kt);
+    // (Only where some expert takes the GEMM path: a decode step skips the bf16 copy and its phase.)
+    const bool dot = x_dtype_ == kBF16Data && bf16_dot(kt) && !active_.empty() && active_[0].count > gemv_max;
     bf16_up_ = dot && gate.method == kBF16 && up.method == kBF16;
     bf16_down_ = dot && down.method == kBF16;
     if (bf16_down_) hb_.reset(new uint16_t[size_t(S_) * I]);
@@ -107,8 +108,7 @@ class MoEJob final : public Job {
   void prepare_h(int s) {
     const float* h = h_.get() + size_t(s) * I_;
     h_act_.quantize(kt_, h, s);
-    if (bf16_down_)
-      for (int i = 0; i < I_; ++i) hb_[size_t(s) * I_ + i] = f32_to_bf16(h[i]);
+    if (bf16_down_) kt_->f32_to_bf16(h, hb_.get() + size_t(s) * I_, I_);
   }
 
   static const uint16_t* bf16_row(const Proj& p, int e, int n) {

@@ -238,6 +238,23 @@ def test_int_vector_bits_from_the_environment() -> None:
     assert proc.returncode == 1 and "HETMOE_INT_VECTOR_BITS='128': expected 256 or 512" in proc.stderr
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_f32_to_bf16_rounds_as_torch(isa: str) -> None:
+    """The engine's fp32 -> bf16 conversion (the bf16 GEMM path's intermediate) bit for bit as torch's:
+    round to nearest even, ties both ways, infinities, NaN kept NaN, subnormals, a ragged tail."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * torch.logspace(-40, 38, 1000).float()
+    ties = (torch.arange(64, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)  # exactly halfway
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-45, 3.4e38, -3.4e38])
+    src = torch.cat([x, ties, -ties, special]).contiguous()
+    dst = torch.empty(src.numel(), dtype=torch.bfloat16)
+    engine_module().f32_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel())
+    want = src.bfloat16()
+    same = (dst.view(torch.int16) == want.view(torch.int16)) | (dst.isnan() & want.isnan())
+    assert bool(same.all()), src[~same][:5]
+
+
 def test_async_submissions_complete_out_of_order(weights) -> None:
     ce = _experts(weights, "int4")
     jobs = []

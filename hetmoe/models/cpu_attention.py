@@ -121,8 +121,9 @@ def _engine_attention(
     return out
 
 
-# Masks are widened to fp32 [B, heads, T, L] for the kernel; past this many elements SDPA keeps them.
-PREFILL_MASK_ELEMENTS = 1 << 26
+# Masks are widened to fp32 [B, heads, T, L] for the kernel; past this many elements (64 MiB) SDPA
+# keeps them.
+PREFILL_MASK_ELEMENTS = 1 << 24
 
 
 def _prefill_plan(
