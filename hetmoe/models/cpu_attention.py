@@ -98,9 +98,7 @@ def _engine_attention(
     q = q.contiguous()
     additive = None
     if mask is not None:
-        m = mask.reshape(mask.shape[0], length)
-        m = torch.zeros(m.shape).masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else m.float()
-        additive = m.expand(b, length).contiguous()
+        additive = _additive(mask.reshape(mask.shape[0], length)).expand(b, length).contiguous()
     out = torch.empty_like(q)
     engine_module().attn_decode(
         q.data_ptr(),
@@ -155,12 +153,14 @@ def _prefill_plan(
         return None
     if b * mask.shape[1] * t * length > PREFILL_MASK_ELEMENTS:
         return None
-    full = mask.expand(b, mask.shape[1], t, length)
-    if full.dtype == torch.bool:
-        additive = torch.zeros(full.shape).masked_fill_(~full, float("-inf"))
-    else:
-        additive = full.float().contiguous()
-    return additive, False
+    return _additive(mask.expand(b, mask.shape[1], t, length)).contiguous(), False
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask (False = hidden) as fp32 0 / -inf; an additive one as fp32."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    return mask.float()
 
 
 def _engine_prefill(
