@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -191,6 +192,68 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("kv_heads"),
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
       py::arg("mask"), py::arg("scale"), py::arg("out"));
+  m.def(
+      "decode_attention_step",
+      [](uintptr_t qkv, int dtype, int64_t heads, int64_t kv_heads, int64_t D, uintptr_t q_norm, uintptr_t k_norm,
+         float q_eps, float k_eps, int q_mode, int k_mode, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,
+         int64_t k_head_stride, int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, int64_t position,
+         float scale, uintptr_t out) {
+        // One token of one sequence (hetmoe/models/fast_decode.py checked everything): qkv [(H + 2 KV) * D]
+        // in `dtype`; q and k RMS-normed and rotated exactly as norm_rows and rope do, k and v written
+        // into the cache buffers at row `position` (strides in elements, unit stride along D), then the
+        // query over rows [0, position] as attn_decode computes it; out [H * D] in `dtype`.
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("decode_attention_step: dtype must be 0 or 1");
+        if (D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || position < 0)
+          throw py::value_error("decode_attention_step: bad shape");
+        py::gil_scoped_release release;
+        const KernelTable* kt = g_selected;
+        const size_t elem = dtype == kBF16Data ? 2 : 4;
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(qkv);
+        std::vector<uint8_t> normed(size_t(heads + kv_heads) * D * elem), rotated(size_t(heads + kv_heads) * D * elem);
+        uint8_t* qn = normed.data();
+        uint8_t* kn = qn + size_t(heads) * D * elem;
+        uint8_t* qr = rotated.data();
+        uint8_t* kr = qr + size_t(heads) * D * elem;
+        const void* c = reinterpret_cast<const void*>(cos);
+        const void* sn = reinterpret_cast<const void*>(sin);
+        rms_norm(src, reinterpret_cast<const void*>(q_norm), qn, dtype, heads, D, q_eps, q_mode);
+        rms_norm(src + size_t(heads) * D * elem, reinterpret_cast<const void*>(k_norm), kn, dtype, kv_heads, D, k_eps,
+                 k_mode);
+        rope(qn, c, sn, qr, dtype, 1, heads, 1, D, true);
+        rope(kn, c, sn, kr, dtype, 1, kv_heads, 1, D, true);
+        uint8_t* kb = reinterpret_cast<uint8_t*>(kbuf);
+        uint8_t* vb = reinterpret_cast<uint8_t*>(vbuf);
+        const uint8_t* v_src = src + size_t(heads + kv_heads) * D * elem;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::memcpy(kb + (h * k_head_stride + position * k_row_stride) * elem, kr + size_t(h) * D * elem, D * elem);
+          std::memcpy(vb + (h * v_head_stride + position * v_row_stride) * elem, v_src + size_t(h) * D * elem, D * elem);
+        }
+        std::vector<float> qf(size_t(heads) * D), of(size_t(heads) * D);
+        if (dtype == kBF16Data)
+          kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(qr), qf.data(), int(heads * D));
+        else
+          std::memcpy(qf.data(), qr, qf.size() * sizeof(float));
+        const int groups = int(heads / kv_heads);
+        const int64_t L = position + 1;
+        auto job = std::make_shared<ForJob>(int(kv_heads), [&](int h) {
+          thread_local std::vector<float> scores;
+          if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
+          const size_t qo = size_t(h) * groups * D;
+          kt->attn_decode(qf.data() + qo, groups, kb + h * k_head_stride * elem, vb + h * v_head_stride * elem, dtype,
+                          L, int(D), k_row_stride, v_row_stride, nullptr, scale, scores.data(), of.data() + qo);
+        });
+        global_pool()->submit(job);
+        job->wait();
+        if (dtype == kBF16Data)
+          kt->f32_to_bf16(of.data(), reinterpret_cast<uint16_t*>(out), int(heads * D));
+        else
+          std::memcpy(reinterpret_cast<void*>(out), of.data(), of.size() * sizeof(float));
+      },
+      py::arg("qkv"), py::arg("dtype"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"), py::arg("q_norm"),
+      py::arg("k_norm"), py::arg("q_eps"), py::arg("k_eps"), py::arg("q_mode"), py::arg("k_mode"), py::arg("cos"),
+      py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"), py::arg("k_row_stride"),
+      py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"), py::arg("scale"), py::arg("out"));
   m.def(
       "f32_to_bf16",
       [](uintptr_t src, uintptr_t dst, int64_t n) {

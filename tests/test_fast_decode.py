@@ -14,7 +14,7 @@ def _fast_layers(model) -> list:
     return [m for m in model.modules() if "forward" in vars(m) and type(m).__name__ == "Qwen3MoeDecoderLayer"]
 
 
-def _steps(model, ids: torch.Tensor, steps: int, fast: bool) -> list[torch.Tensor]:
+def _steps(model, ids: torch.Tensor, steps: int, fast: bool, cache_class=None) -> list[torch.Tensor]:
     layers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeDecoderLayer"]
     saved = {id(m): vars(m).get("forward") for m in layers}
     if not fast:
@@ -23,7 +23,7 @@ def _steps(model, ids: torch.Tensor, steps: int, fast: bool) -> list[torch.Tenso
     try:
         logits = []
         with torch.inference_mode():
-            cache = growing_cache(model.config)
+            cache = growing_cache(model.config) if cache_class is None else cache_class(config=model.config)
             out = model(ids, cache=cache, use_cache=True)
             for _ in range(steps):
                 logits.append(out.logits[:, -1].clone())
@@ -70,24 +70,38 @@ def test_not_installed_without_fused_projections(tiny_cache) -> None:
     assert not _fast_layers(model)
 
 
-def test_norms_and_rotary_run_as_direct_engine_calls(tiny_cache, monkeypatch) -> None:
-    """The one-token path's q/k norms and rotary embedding take the direct engine calls (and the
-    bit-identity test above holds them to the modules' results)."""
+@pytest.mark.parametrize("growing", [True, False])
+def test_norms_rotary_and_attention_run_as_direct_engine_calls(tiny_cache, monkeypatch, growing: bool) -> None:
+    """With a cache that appends in place, the one-token path's q/k norms, rotary embedding, cache
+    append and attention are one engine call; with transformers' DynamicCache the norms and rotary
+    embedding are direct engine calls. Both bit-identical to transformers' forward."""
+    from transformers.cache_utils import DynamicCache
+
     import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
 
-    taken = []
-    real = fast_decode._norm_rope_direct
+    taken: dict[str, list[bool]] = {"_attention_step": [], "_norm_rope_direct": []}
+    for name, calls in taken.items():
+        real = getattr(fast_decode, name)
 
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
+        def spy(*args, real=real, calls=calls):
+            out = real(*args)
+            calls.append(out is not None)
+            return out
 
-    monkeypatch.setattr(fast_decode, "_norm_rope_direct", spy)
+        monkeypatch.setattr(fast_decode, name, spy)
     model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
-    _steps(model, torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2)), 3, fast=True)
-    assert taken and all(taken)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    cache_class = None if growing else DynamicCache
+    fast = _steps(model, ids, 6, fast=True, cache_class=cache_class)
+    if growing:
+        assert taken["_attention_step"] and all(taken["_attention_step"]) and not taken["_norm_rope_direct"]
+    else:
+        assert not any(taken["_attention_step"]) and taken["_norm_rope_direct"] and all(taken["_norm_rope_direct"])
+    monkeypatch.undo()
+    slow = _steps(model, ids, 6, fast=False, cache_class=cache_class)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_model_forward_is_fast_and_bit_identical_in_generate(tiny_cache) -> None:

@@ -54,3 +54,27 @@ def test_generate_with_it_equals_generate_without(tiny_cache) -> None:
             ids, max_new_tokens=24, do_sample=False, pad_token_id=0, cache=growing_cache(model.config)
         )
     assert torch.equal(plain, grown)
+
+
+def test_rows_written_in_place_then_committed() -> None:
+    """free_row/commit (the fused one-token attention writes k and v into the buffers itself): the row
+    offered is the next one, committing shows it, and a full, replaced or mismatched cache offers none."""
+    layer = GrowingLayer()
+    assert layer.free_row(2, 8, torch.float32) is None  # nothing yet
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    layer.update(k, v)
+    row = layer.free_row(2, 8, torch.float32)
+    assert row == 3
+    assert layer.free_row(2, 8, torch.bfloat16) is None and layer.free_row(4, 8, torch.float32) is None
+    nk, nv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    layer._kbuf[:, :, row] = nk[:, :, 0]
+    layer._vbuf[:, :, row] = nv[:, :, 0]
+    keys, values = layer.commit(1)
+    assert torch.equal(keys, torch.cat([k, nk], 2)) and torch.equal(values, torch.cat([v, nv], 2))
+    assert layer.get_seq_length() == 4
+    layer.crop(-2)  # replaced from outside: the next update adopts it, nothing is written in place before
+    assert layer.get_seq_length() == 2 and layer.free_row(2, 8, torch.float32) is None
+    layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    rest = layer._kbuf.shape[-2] - layer.get_seq_length()
+    layer.update(torch.randn(1, 2, rest, 8), torch.randn(1, 2, rest, 8))
+    assert layer.free_row(2, 8, torch.float32) is None  # full

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.dispatch import engine_module
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from .cpu_attention import ATTENTION_NAME, attention_forward
+from .fused_norms import _DTYPES, norm_rows
 from .fused_norms import _fused_forward as fused_norm
-from .fused_norms import norm_rows
 from .fused_rope import rope
 
 _LAYER_CLASSES = ("Qwen3MoeDecoderLayer",)
@@ -221,23 +222,80 @@ def _takes_fast_path(
     return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
 
 
-def _norm_rope_direct(
-    attn: nn.Module, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """q_norm, k_norm and the rotary embedding as direct engine calls on the rows of ``qkv``, without
-    the modules' per-call checks (the same kernels, so the same values); None where they do not apply."""
+def _norm_rope_applies(attn: nn.Module, qkv: torch.Tensor, d: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The engine's norm and rotary kernels take this token's q/k rows as they lie in ``qkv``."""
     dtype = qkv.dtype
     norms = (attn.q_norm, attn.k_norm)
-    if (
+    return not (
         dtype not in (torch.float32, torch.bfloat16)
         or not qkv.is_contiguous()
-        or any(n.weight.dtype != dtype or n.weight.shape[0] != d or n._hetmoe_mode != 0 for n in norms)
+        or any(
+            n.weight.dtype != dtype or n.weight.shape != (d,) or not n.weight.is_contiguous() or n._hetmoe_mode != 0
+            for n in norms
+        )
         or cos.dtype != dtype
         or sin.dtype != dtype
         or cos.shape != (1, 1, d)
         or sin.shape != (1, 1, d)
         or not (cos.is_contiguous() and sin.is_contiguous())
-    ):
+    )
+
+
+def _attention_step(
+    attn: nn.Module, cache: Any, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor | None:
+    """q_norm, k_norm, the rotary embedding, the cache append and the attention as one engine call:
+    the same kernels in the same order as the separate calls of ``_one_token`` (so the same values),
+    without their Python between them. ``[1, 1, H * d]``; None where the cache cannot take the row in
+    place (its first token, a full buffer, another cache class) or a kernel does not apply."""
+    layer = cache.layers[attn.layer_idx]
+    heads, kv = (bounds[1] - bounds[0]) // d, (bounds[2] - bounds[1]) // d
+    if not hasattr(layer, "free_row") or d % 16 or bounds[0] != 0 or bounds[3] != qkv.shape[-1] or qkv.dim() != 3:
+        return None
+    if not _norm_rope_applies(attn, qkv, d, cos, sin):
+        return None
+    row = layer.free_row(kv, d, qkv.dtype)
+    if row is None:
+        return None
+    kbuf, vbuf = layer._kbuf, layer._vbuf
+    if kbuf.stride(-1) != 1 or vbuf.stride(-1) != 1:
+        return None
+    out = torch.empty(1, 1, heads * d, dtype=qkv.dtype)
+    qn, kn = attn.q_norm, attn.k_norm
+    engine_module().decode_attention_step(
+        qkv.data_ptr(),
+        _DTYPES[qkv.dtype],
+        heads,
+        kv,
+        d,
+        qn.weight.data_ptr(),
+        kn.weight.data_ptr(),
+        qn._hetmoe_eps,
+        kn._hetmoe_eps,
+        qn._hetmoe_mode,
+        kn._hetmoe_mode,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kbuf.data_ptr(),
+        vbuf.data_ptr(),
+        kbuf.stride(1),
+        kbuf.stride(2),
+        vbuf.stride(1),
+        vbuf.stride(2),
+        row,
+        float(attn.scaling),
+        out.data_ptr(),
+    )
+    layer.commit(1)
+    return out
+
+
+def _norm_rope_direct(
+    attn: nn.Module, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q_norm, k_norm and the rotary embedding as direct engine calls on the rows of ``qkv``, without
+    the modules' per-call checks (the same kernels, so the same values); None where they do not apply."""
+    if not _norm_rope_applies(attn, qkv, d, cos, sin):
         return None
     q = qkv[..., bounds[0] : bounds[1]].view(1, -1, 1, d)  # [1, heads, 1, d]: one token's rows as they lie
     k = qkv[..., bounds[1] : bounds[2]].view(1, -1, 1, d)
@@ -255,18 +313,20 @@ def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embedding
     qkv = group.linear(h)
     b = group.bounds
     cos, sin = position_embeddings
-    v = qkv[..., b[2] : b[3]].view(1, 1, -1, d).transpose(1, 2)
-    direct = _norm_rope_direct(attn, qkv, b, d, cos, sin)
-    if direct is not None:
-        q, k = direct
-    else:
-        q = fused_norm(attn.q_norm, qkv[..., b[0] : b[1]].view(1, 1, -1, d)).transpose(1, 2)
-        k = fused_norm(attn.k_norm, qkv[..., b[1] : b[2]].view(1, 1, -1, d)).transpose(1, 2)
-        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
-    k, v = cache.update(k, v, attn.layer_idx)
-    out, _ = attention_forward(
-        attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
-    )
+    out = _attention_step(attn, cache, qkv, b, d, cos, sin)
+    if out is None:
+        v = qkv[..., b[2] : b[3]].view(1, 1, -1, d).transpose(1, 2)
+        direct = _norm_rope_direct(attn, qkv, b, d, cos, sin)
+        if direct is not None:
+            q, k = direct
+        else:
+            q = fused_norm(attn.q_norm, qkv[..., b[0] : b[1]].view(1, 1, -1, d)).transpose(1, 2)
+            k = fused_norm(attn.k_norm, qkv[..., b[1] : b[2]].view(1, 1, -1, d)).transpose(1, 2)
+            q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.update(k, v, attn.layer_idx)
+        out, _ = attention_forward(
+            attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
+        )
     out = attn.o_proj(out.reshape(1, 1, -1).contiguous())
     x = x + out
     return x + layer.mlp(fused_norm(layer.post_attention_layernorm, x))

@@ -79,6 +79,29 @@ class GrowingLayer(DynamicLayer):
         self.values = self._vview = self._vbuf[..., :need, :]
         return self.keys, self.values
 
+    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> int | None:
+        """Where one sequence's next key/value row goes when the caller can write it into the buffers
+        in place (they exist, hold what ``keys``/``values`` show, have room, and are ``[1, heads, *,
+        dim]`` of ``dtype`` for keys and values alike); None otherwise (``update`` then does it).
+        ``commit`` makes the written row visible."""
+        kbuf, vbuf = self._kbuf, self._vbuf
+        if kbuf is None or vbuf is None or self._len >= kbuf.shape[-2]:
+            return None
+        if self.keys is not getattr(self, "_kview", None) or self.values is not getattr(self, "_vview", None):
+            return None
+        for buf in (kbuf, vbuf):
+            if buf.dim() != 4 or buf.shape[:2] != (1, heads) or buf.shape[-1] != dim or buf.dtype != dtype:
+                return None
+        return self._len
+
+    def commit(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Show ``rows`` more rows, written into the buffers at ``free_row()`` by the caller."""
+        assert self._kbuf is not None and self._vbuf is not None and self._len + rows <= self._kbuf.shape[-2]
+        self._len += rows
+        self.keys = self._kview = self._kbuf[..., : self._len, :]
+        self.values = self._vview = self._vbuf[..., : self._len, :]
+        return self.keys, self.values
+
     def reset(self) -> None:
         super().reset()
         self._kbuf = self._vbuf = None
