@@ -40,15 +40,15 @@ inline bool bf16_dot(const KernelTable* kt) { return kt->gemm_bf16 != nullptr &&
 inline int act_quant_for(const KernelTable* kt, int method, int K) {
   switch (method) {
     case kInt4:
-    case kMXFP4: return kt->pairs_layout(K);
+    case kMXFP4: return kt->act_layout(kActPairs, K);
     case kInt8:
     case kQ4K:
-    case kQ6K:
     case kQ5K:
     case kIQ4XS:
     case kQ4_0:
     case kQ8_0:
-    case kIQ4NL: return kActNatural;
+    case kIQ4NL: return kt->act_layout(kActNatural, K);
+    case kQ6K: return kActNatural;  // scales per 16 weights: no 512-bit GEMV
     default: return kActNone;
   }
 }
@@ -98,7 +98,7 @@ struct ActBuffers {
   Act act(const float* row, int r) const {
     Act a;
     a.f = row;
-    a.quads = mode == kActQuads;
+    a.wide = mode == kActQuads || mode == kActNaturalPairs;
     if (mode != kActNone) {
       const size_t nb = K / kActBlock;
       a.q = q.get() + size_t(r) * K;

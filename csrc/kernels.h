@@ -62,12 +62,13 @@ struct Act {
   const int16_t* q = nullptr;
   const float* d = nullptr;
   const int32_t* sum = nullptr;  // per block: sum of its codes (for formats with a min term, Q4_K)
-  bool quads = false;            // the digits are in kActQuads' layout
+  bool wide = false;             // in the 512-bit GEMVs' layout (kActQuads, kActNaturalPairs)
 };
 
-// kActQuads: kActPairs' digits with four blocks per group instead of two (rows of whole groups of 8
-// blocks), for the AVX-512 unit's 512-bit nibble GEMV (kernels_common.inc).
-enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2, kActQuads = 3 };
+// The 512-bit GEMVs' layouts, for rows of whole groups of 8 blocks (kernels_common.inc): kActQuads,
+// kActPairs' digits with four blocks per group instead of two; kActNaturalPairs, kActNatural's codes
+// with the evens of two blocks side by side, then their odds.
+enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2, kActQuads = 3, kActNaturalPairs = 4 };
 
 struct KernelTable {
   const char* name;
@@ -84,9 +85,9 @@ struct KernelTable {
                     int ldc);
   // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
   void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
-  // The digit layout the 4-bit GEMVs want for rows of K: kActQuads where they run 512 bits wide
-  // (g_int_vector_bits, K a multiple of 256), else kActPairs.
-  int (*pairs_layout)(int K);
+  // The layout the GEMVs want for activation mode `mode` (kActPairs, kActNatural) and rows of K: the
+  // 512-bit one where they run 512 bits wide (g_int_vector_bits, K a multiple of 256), else `mode`.
+  int (*act_layout)(int mode, int K);
   // h[i] = silu(g[i]) * u[i]
   void (*silu_mul)(const float* g, const float* u, float* h, int n);
   // Clamped SwiGLU of gpt-oss: g = min(g, limit); u = clamp(u, -limit, limit);

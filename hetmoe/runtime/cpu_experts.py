@@ -17,7 +17,7 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..kernels.dispatch import engine_module
-from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, nibble_gemv_is_wide
+from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
 
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ACTIVATIONS = {"silu": 0, "swiglu-oai": 1}
@@ -60,8 +60,8 @@ _FLOAT_METHODS = ("bf16", "fp8", "fp8-channel")
 
 def default_gemv_max(projections: list[QuantizedTensor]) -> int:
     """The GEMV/GEMM switch point for experts stored in these projections' methods (none where the
-    512-bit nibble GEMV runs them: engine_layout.nibble_gemv_is_wide)."""
-    if nibble_gemv_is_wide(projections):
+    512-bit GEMVs run them: engine_layout.gemv_is_wide)."""
+    if gemv_is_wide(projections):
         return GEMV_ALL_TOKENS
     return GEMV_MAX_FLOAT if any(q.method in _FLOAT_METHODS for q in projections) else GEMV_MAX_INTEGER
 

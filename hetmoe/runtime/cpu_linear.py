@@ -20,7 +20,7 @@ from torch import nn
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..kernels.dispatch import engine_module
-from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, nibble_gemv_is_wide
+from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
 
 _ENGINE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _GROUPED = ("int4", "int4-asym", "gptq")
@@ -72,7 +72,7 @@ class CPULinear(nn.Module):
     ``[N, K]`` quantized here to ``method`` (default bf16; ``group_size`` for int4/int4-asym/gptq).
     ``bias``: ``[N]`` or None (kept in fp32). ``gemv_max_tokens``: up to this many tokens stream the
     weight with the GEMV kernels; more take the panel GEMM (None: 4, or every count where the 512-bit
-    nibble GEMV runs the weight, engine_layout.nibble_gemv_is_wide). Inference only: x must not need grad.
+    GEMV runs the weight, engine_layout.gemv_is_wide). Inference only: x must not need grad.
     Accepts ``x [..., K]`` in bf16 or fp32 (fp16 is computed in fp32) and returns x's dtype.
     """
 
@@ -108,7 +108,7 @@ class CPULinear(nn.Module):
             bias = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
         self.bias_f32 = bias
         if gemv_max_tokens is None:
-            gemv_max_tokens = GEMV_ALL_TOKENS if nibble_gemv_is_wide([q]) else 4
+            gemv_max_tokens = GEMV_ALL_TOKENS if gemv_is_wide([q]) else 4
         if gemv_max_tokens < 0:
             raise ValueError(f"gemv_max_tokens: expected >= 0, found {gemv_max_tokens}")
         self.gemv_max_tokens = int(gemv_max_tokens)

@@ -29,24 +29,27 @@ BF16, INT8, INT4, MXFP4, FP8 = 0, 1, 2, 3, 4
 SCALE_F32, SCALE_BF16, SCALE_F16, SCALE_E8M0 = 0, 1, 2, 3
 ENGINE_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel", "gguf:*")
 
-# Methods the engine runs as 4-bit codes through its nibble GEMV (gptq is repacked to int4 rows).
-NIBBLE_METHODS = ("int4", "int4-asym", "gptq", "mxfp4")
+# Methods with a 512-bit GEMV in the AVX-512 unit (kernels_common.inc): the 4-bit nibble formats
+# (gptq is repacked to int4 rows) and the natural-order ones with a scale per block of 32 (not Q6_K).
+WIDE_GEMV_METHODS = (
+    "int4", "int4-asym", "gptq", "mxfp4",
+    "int8", "gguf:q4_0", "gguf:q8_0", "gguf:q4_k", "gguf:q5_k", "gguf:iq4_xs", "gguf:iq4_nl",
+)  # fmt: skip
 GEMV_ALL_TOKENS = 1 << 30  # a gemv_max_tokens no forward reaches
 
 
-def nibble_gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
-    """Whether every projection runs the AVX-512 unit's 512-bit nibble GEMV (kernels_common.inc:
-    AMD by default, K a multiple of 256). That GEMV then beats dequantizing panels for the fp32
-    GEMM at every token count: measured on a Zen 5 (2 threads), a Qwen3-30B-A3B layer's int4 experts
-    at 512 tokens 128 -> 121 ms, an int4 linear of 2048 -> 5120 at 512 tokens 38 -> 31 ms (8192 x
-    2048: 65 -> 50 ms); int8 and the GGUF types keep their switch point (their GEMVs are 256 bits
-    wide, and lost there)."""
+def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
+    """Whether every projection runs a 512-bit GEMV (AMD by default, K a multiple of 256). That GEMV
+    then beats dequantizing panels for the fp32 GEMM at (nearly) every token count: measured on a
+    Zen 5 (2 threads), linears at 512 tokens 2048 -> 5120: int4 38 -> 31 ms, int8 44 -> 32 ms, Q4_0
+    43 -> 38 ms; a Qwen3-30B-A3B layer's experts at 512 tokens: int4 128 -> 121 ms, int8 153 -> 136
+    ms, Q4_0 and Q4_K within 3% either way."""
     from ..kernels.dispatch import engine_module
 
     mod = engine_module()
     if mod.selected_isa() == "avx2" or mod.int_vector_bits() != 512:
         return False
-    return all(q.method in NIBBLE_METHODS and q.shape[-1] % 256 == 0 for q in projections)
+    return all(q.method in WIDE_GEMV_METHODS and q.shape[-1] % 256 == 0 for q in projections)
 
 
 @dataclass
