@@ -4,9 +4,10 @@ The variant is chosen once per process from CPUID (best of amx > avx512 > avx2),
 ``HETMOE_ISA=avx2|avx512|amx``; forcing one the CPU (or OS) lacks raises a ValueError that says
 what is missing, it never executes an illegal instruction.
 
-Within the AVX-512 variant the 4-bit GEMVs run 256 or 512 bits wide: 512 on AMD (Zen 5 runs 512-bit
-integer ops at full width), 256 elsewhere (on Intel they streamed rows no faster, measured);
-``HETMOE_INT_VECTOR_BITS=256|512`` or :func:`set_int_vector_bits` chooses.
+Within the AVX-512 variant the integer GEMVs (4-bit and natural-order) run 256 or 512 bits wide:
+512 on AMD (Zen 5 runs 512-bit integer ops at full width), 256 elsewhere (on Intel they streamed
+rows no faster, measured); ``HETMOE_INT_VECTOR_BITS=256|512`` or :func:`set_int_vector_bits`
+chooses.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def set_idle_spin_us(us: int) -> None:
 
 
 def set_int_vector_bits(bits: int) -> None:
-    """Width of the AVX-512 variant's 4-bit integer GEMVs: 256, 512, or 0 for this CPU's default;
-    applies from the next engine call (the AVX2 variant is always 256)."""
+    """Width of the AVX-512 variant's integer GEMVs: 256, 512, or 0 for this CPU's default; applies
+    from the next engine call (the AVX2 variant is always 256)."""
     engine_module().set_int_vector_bits(int(bits))
 
 
