@@ -47,8 +47,8 @@ inline int act_quant_for(const KernelTable* kt, int method, int K) {
     case kIQ4XS:
     case kQ4_0:
     case kQ8_0:
+    case kQ6K:
     case kIQ4NL: return kt->act_layout(kActNatural, K);
-    case kQ6K: return kActNatural;  // scales per 16 weights: no 512-bit GEMV
     default: return kActNone;
   }
 }

@@ -166,7 +166,10 @@ def test_avx2_and_avx512_agree(weights) -> None:
 @pytest.mark.parametrize(
     ("method", "group"),
     [("int4", 32), ("int4", 256), ("int4-asym", 64), ("int4-asym", 256), ("gptq", 128), ("mxfp4", 32)]
-    + [(m, 32) for m in ("int8", "gguf:q4_0", "gguf:q8_0", "gguf:q4_k", "gguf:q5_k", "gguf:iq4_xs", "gguf:iq4_nl")],
+    + [
+        (m, 32)
+        for m in ("int8", "gguf:q4_0", "gguf:q8_0", "gguf:q4_k", "gguf:q5_k", "gguf:q6_k", "gguf:iq4_xs", "gguf:iq4_nl")
+    ],
 )
 def test_gemv_widths_agree(method: str, group: int) -> None:
     """The AVX-512 variant's GEMVs at 256 and 512 bits wide (the nibble formats four blocks a vector,
@@ -176,7 +179,7 @@ def test_gemv_widths_agree(method: str, group: int) -> None:
     if "avx512" not in ISAS:
         pytest.skip("this CPU has no AVX-512")
     g = torch.Generator().manual_seed(3)
-    inter = 768 if group == 256 or method in ("gguf:q4_k", "gguf:q5_k", "gguf:iq4_xs") else 384
+    inter = 768 if group == 256 or method in ("gguf:q4_k", "gguf:q5_k", "gguf:q6_k", "gguf:iq4_xs") else 384
     w = [torch.randn(4, inter, 512, generator=g) * 0.05 for _ in range(2)]
     w.append(torch.randn(4, 512, inter, generator=g) * 0.05)
     codec = get_codec(method, **({} if method.startswith("gguf:") else _codec_params(method, group, "bytes")))
@@ -215,13 +218,15 @@ def test_default_gemv_switch_follows_the_vector_width() -> None:
     g = torch.Generator().manual_seed(0)
     int4 = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, k, generator=g)) for k in (512, 512)]
     int8 = [get_codec("int8").quantize(torch.randn(2, 64, 512, generator=g))]
-    q6_k = [get_codec("gguf:q6_k").quantize(torch.randn(2, 64, 512, generator=g))]  # no 512-bit GEMV
+    q5_0 = [get_codec("gguf:q5_0").quantize(torch.randn(2, 64, 512, generator=g))]  # transcoded: its own default
     ragged = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, 320, generator=g))]
     select_isa("avx512")
     try:
         set_int_vector_bits(512)
         assert default_gemv_max(int4) == default_gemv_max(int8) == GEMV_ALL_TOKENS
-        assert default_gemv_max(q6_k) == default_gemv_max(ragged) == GEMV_MAX_INTEGER
+        assert default_gemv_max(q5_0) == default_gemv_max(ragged) == GEMV_MAX_INTEGER
+        q6_k = [get_codec("gguf:q6_k").quantize(torch.randn(2, 64, 512, generator=g))]  # its GEMM wins prompts
+        assert default_gemv_max(q6_k) == GEMV_MAX_INTEGER
         assert CPULinear(torch.randn(64, 512), method="int4").gemv_max_tokens == GEMV_ALL_TOKENS
         assert CPULinear(torch.randn(64, 512), method="bf16").gemv_max_tokens == 4
         set_int_vector_bits(256)

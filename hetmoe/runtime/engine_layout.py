@@ -29,8 +29,10 @@ BF16, INT8, INT4, MXFP4, FP8 = 0, 1, 2, 3, 4
 SCALE_F32, SCALE_BF16, SCALE_F16, SCALE_E8M0 = 0, 1, 2, 3
 ENGINE_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel", "gguf:*")
 
-# Methods with a 512-bit GEMV in the AVX-512 unit (kernels_common.inc): the 4-bit nibble formats
-# (gptq is repacked to int4 rows) and the natural-order ones with a scale per block of 32 (not Q6_K).
+# Methods whose 512-bit GEMV in the AVX-512 unit (kernels_common.inc) beats the dequantize-and-GEMM
+# path at every token count: the 4-bit nibble formats (gptq is repacked to int4 rows) and the
+# natural-order ones with native kernels. Q6_K has a 512-bit GEMV too (decode) but its GEMM stays
+# level or ahead on prompts (linears at 512 tokens: 0-10% slower on the GEMV), so it keeps its switch point.
 WIDE_GEMV_METHODS = (
     "int4", "int4-asym", "gptq", "mxfp4",
     "int8", "gguf:q4_0", "gguf:q8_0", "gguf:q4_k", "gguf:q5_k", "gguf:iq4_xs", "gguf:iq4_nl",
@@ -39,8 +41,8 @@ GEMV_ALL_TOKENS = 1 << 30  # a gemv_max_tokens no forward reaches
 
 
 def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
-    """Whether every projection runs a 512-bit GEMV (AMD by default, K a multiple of 256). That GEMV
-    then beats dequantizing panels for the fp32 GEMM at (nearly) every token count: measured on a
+    """Whether every projection runs a 512-bit GEMV (AMD by default, K a multiple of 256) that beats
+    dequantizing panels for the fp32 GEMM at (nearly) every token count: measured on a
     Zen 5 (2 threads), linears at 512 tokens 2048 -> 5120: int4 38 -> 31 ms, int8 44 -> 32 ms, Q4_0
     43 -> 38 ms; a Qwen3-30B-A3B layer's experts at 512 tokens: int4 128 -> 121 ms, int8 153 -> 136
     ms, Q4_0 and Q4_K within 3% either way."""
