@@ -24,6 +24,25 @@ namespace {
 
 const KernelTable* g_selected = nullptr;
 
+// One query token's attention for each (batch row, KV head), an item each over the engine's pool (the
+// waiting caller included): q fp32 [B, KV, G, D] contiguous; K/V rows of (b, h) at k + (b * kb + h *
+// kh) elements, kr / vr elements apart; mask fp32 additive [B, L] or nullptr; out as q.
+void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int64_t kv_heads, int groups, int64_t L,
+                       int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
+                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out) {
+  const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
+  auto job = std::make_shared<ForJob>(int(batch * kv_heads), [=](int item) {
+    thread_local std::vector<float> scores;
+    if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
+    const int64_t b = item / kv_heads, h = item % kv_heads;
+    const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
+    kt->attn_decode(q + qo, groups, k + (b * kb + h * kh) * elem, v + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
+                    mask ? mask + b * L : nullptr, scale, scores.data(), out + qo);
+  });
+  global_pool()->submit(job);
+  job->wait();
+}
+
 const KernelTable* table_for(const std::string& isa) {
   const CpuFeatures& f = cpu_features();
   if (isa == "avx2") {
@@ -171,23 +190,10 @@ PYBIND11_MODULE(_C, m) {
                       kr = k_strides[2].cast<int64_t>();
         const int64_t vb = v_strides[0].cast<int64_t>(), vh = v_strides[1].cast<int64_t>(),
                       vr = v_strides[2].cast<int64_t>();
-        const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
         py::gil_scoped_release release;
-        const KernelTable* kt = g_selected;
-        // One item per (batch row, KV head), over the engine's pool (the waiting caller included).
-        auto job = std::make_shared<ForJob>(int(batch * kv_heads), [=](int item) {
-          thread_local std::vector<float> scores;
-          if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
-          const int64_t b = item / kv_heads, h = item % kv_heads;
-          const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
-          kt->attn_decode(reinterpret_cast<const float*>(q) + qo, groups,
-                          reinterpret_cast<const uint8_t*>(k) + (b * kb + h * kh) * elem,
-                          reinterpret_cast<const uint8_t*>(v) + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
-                          mask ? reinterpret_cast<const float*>(mask) + b * L : nullptr, scale, scores.data(),
-                          reinterpret_cast<float*>(out) + qo);
-        });
-        global_pool()->submit(job);
-        job->wait();
+        attn_decode_heads(g_selected, reinterpret_cast<const float*>(q), batch, kv_heads, groups, L, D,
+                          reinterpret_cast<const uint8_t*>(k), kb, kh, kr, reinterpret_cast<const uint8_t*>(v), vb, vh,
+                          vr, kv_dtype, reinterpret_cast<const float*>(mask), scale, reinterpret_cast<float*>(out));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("kv_heads"),
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
@@ -234,17 +240,8 @@ PYBIND11_MODULE(_C, m) {
           kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(qr), qf.data(), int(heads * D));
         else
           std::memcpy(qf.data(), qr, qf.size() * sizeof(float));
-        const int groups = int(heads / kv_heads);
-        const int64_t L = position + 1;
-        auto job = std::make_shared<ForJob>(int(kv_heads), [&](int h) {
-          thread_local std::vector<float> scores;
-          if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
-          const size_t qo = size_t(h) * groups * D;
-          kt->attn_decode(qf.data() + qo, groups, kb + h * k_head_stride * elem, vb + h * v_head_stride * elem, dtype,
-                          L, int(D), k_row_stride, v_row_stride, nullptr, scale, scores.data(), of.data() + qo);
-        });
-        global_pool()->submit(job);
-        job->wait();
+        attn_decode_heads(kt, qf.data(), 1, kv_heads, int(heads / kv_heads), position + 1, int(D), kb, 0, k_head_stride,
+                          k_row_stride, vb, 0, v_head_stride, v_row_stride, dtype, nullptr, scale, of.data());
         if (dtype == kBF16Data)
           kt->f32_to_bf16(of.data(), reinterpret_cast<uint16_t*>(out), int(heads * D));
         else
