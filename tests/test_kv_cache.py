@@ -63,8 +63,9 @@ def test_rows_written_in_place_then_committed() -> None:
     assert layer.free_row(2, 8, torch.float32) is None  # nothing yet
     k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     layer.update(k, v)
-    row = layer.free_row(2, 8, torch.float32)
-    assert row == 3
+    free = layer.free_row(2, 8, torch.float32)
+    assert free is not None and free[0] == 3 and free[1] is layer._kbuf and free[2] is layer._vbuf
+    row = free[0]
     assert layer.free_row(2, 8, torch.bfloat16) is None and layer.free_row(4, 8, torch.float32) is None
     nk, nv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     layer._kbuf[:, :, row] = nk[:, :, 0]

@@ -110,8 +110,8 @@ def _engine_attention(
         groups,
         length,
         d,
-        (key.stride(0), key.stride(1), key.stride(2)),
-        (value.stride(0), value.stride(1), value.stride(2)),
+        _row_strides(key),
+        _row_strides(value),
         additive.data_ptr() if additive is not None else 0,
         float(scale),
         out.data_ptr(),
@@ -156,6 +156,11 @@ def _prefill_plan(
     return _additive(mask.expand(b, mask.shape[1], t, length)).contiguous(), False
 
 
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """A K or V tensor's (batch, head, row) strides in elements, as the engine's kernels take them."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
 def _additive(mask: torch.Tensor) -> torch.Tensor:
     """A boolean mask (False = hidden) as fp32 0 / -inf; an additive one as fp32."""
     if mask.dtype == torch.bool:
@@ -189,8 +194,8 @@ def _engine_prefill(
         length,
         dk,
         dv,
-        (key.stride(0), key.stride(1), key.stride(2)),
-        (value.stride(0), value.stride(1), value.stride(2)),
+        _row_strides(key),
+        _row_strides(value),
         mask.data_ptr() if mask is not None else 0,
         mask.shape[1] if mask is not None else 1,
         length - t,

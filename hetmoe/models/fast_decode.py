@@ -254,12 +254,10 @@ def _attention_step(
         return None
     if not _norm_rope_applies(attn, qkv, d, cos, sin):
         return None
-    row = layer.free_row(kv, d, qkv.dtype)
-    if row is None:
+    free = layer.free_row(kv, d, qkv.dtype)
+    if free is None:
         return None
-    kbuf, vbuf = layer._kbuf, layer._vbuf
-    if kbuf.stride(-1) != 1 or vbuf.stride(-1) != 1:
-        return None
+    row, kbuf, vbuf = free
     out = torch.empty(1, 1, heads * d, dtype=qkv.dtype)
     qn, kn = attn.q_norm, attn.k_norm
     engine_module().decode_attention_step(

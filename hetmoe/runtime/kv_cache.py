@@ -79,11 +79,11 @@ class GrowingLayer(DynamicLayer):
         self.values = self._vview = self._vbuf[..., :need, :]
         return self.keys, self.values
 
-    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> int | None:
-        """Where one sequence's next key/value row goes when the caller can write it into the buffers
-        in place (they exist, hold what ``keys``/``values`` show, have room, and are ``[1, heads, *,
-        dim]`` of ``dtype`` for keys and values alike); None otherwise (``update`` then does it).
-        ``commit`` makes the written row visible."""
+    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """``(row, key buffer, value buffer)`` when one sequence's next key/value row can be written into
+        the buffers in place at ``row`` (they exist, hold what ``keys``/``values`` show, have room, and
+        are ``[1, heads, capacity, dim]`` of ``dtype``, contiguous as ``_grow`` makes them); None
+        otherwise (``update`` then does it). ``commit`` makes the written row visible."""
         kbuf, vbuf = self._kbuf, self._vbuf
         if kbuf is None or vbuf is None or self._len >= kbuf.shape[-2]:
             return None
@@ -92,7 +92,7 @@ class GrowingLayer(DynamicLayer):
         for buf in (kbuf, vbuf):
             if buf.dim() != 4 or buf.shape[:2] != (1, heads) or buf.shape[-1] != dim or buf.dtype != dtype:
                 return None
-        return self._len
+        return self._len, kbuf, vbuf
 
     def commit(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Show ``rows`` more rows, written into the buffers at ``free_row()`` by the caller."""
