@@ -325,6 +325,6 @@ def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embedding
         out, _ = attention_forward(
             attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
         )
-    out = attn.o_proj(out.reshape(1, 1, -1).contiguous())
+    out = attn.o_proj(out if out.dim() == 3 and out.is_contiguous() else out.reshape(1, 1, -1).contiguous())
     x = x + out
     return x + layer.mlp(fused_norm(layer.post_attention_layernorm, x))

@@ -58,8 +58,11 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> Any:
 def norm_rows(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The engine's RMSNorm of ``x [..., D]`` with a fused norm module's weight, epsilon and rounding;
     the caller has checked what ``_fused_forward`` checks (CPU, x's dtype is the weight's, no grad)."""
-    x = x.contiguous()
-    w = norm.weight.detach().contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    w = norm.weight
+    if not w.is_contiguous():
+        w = w.contiguous()
     y = torch.empty_like(x)
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0

@@ -45,6 +45,14 @@ if TYPE_CHECKING:
 _ENGINE_X_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor of ``dtype``, detached; itself where it is one already (a
+    decode step makes these checks in every layer, and each no-op torch call costs a microsecond)."""
+    if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
+        return t.detach() if t.requires_grad else t
+    return t.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
 class ExpertBackend(Protocol):
     """What HybridMoE needs from the CPU side: CPUExperts, or the torch fallback."""
 
@@ -165,7 +173,7 @@ class HybridMoE(nn.Module):
             self.deferred.begin(self.layer)
         weights, ids = self.adapter.route(self, x)
         with torch.no_grad():
-            ids_cpu = ids.to(device="cpu", dtype=torch.int64).contiguous()
+            ids_cpu = _on_cpu(ids, torch.int64)
             if self.layerwise is not None and self.layerwise.applies(x.shape[0]):
                 out = self._forward_layerwise(x, ids, weights)
             else:
@@ -192,11 +200,8 @@ class HybridMoE(nn.Module):
         """Device experts on the device, the rest on the CPU engine (some of them deferred)."""
         assert self.cpu is not None and self.device_experts is not None
         # The engine's contract: CPU, contiguous, x in bf16/fp32, int64 ids, fp32 weights.
-        x_cpu = x.detach().to("cpu")
-        if x_cpu.dtype not in _ENGINE_X_DTYPES:
-            x_cpu = x_cpu.float()
-        x_cpu = x_cpu.contiguous()
-        w_cpu = weights.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        x_cpu = _on_cpu(x, x.dtype if x.dtype in _ENGINE_X_DTYPES else torch.float32)
+        w_cpu = _on_cpu(weights, torch.float32)
         self._count(ids_cpu)
         split = None
         if self.deferred is not None:
@@ -222,7 +227,7 @@ class HybridMoE(nn.Module):
             waiting = time.perf_counter()
             y_cpu = self.cpu.wait(handle)
             done = time.perf_counter()
-        out = y_cpu.to(device=x.device, dtype=x.dtype)
+        out = y_cpu if y_cpu.device == x.device and y_cpu.dtype == x.dtype else y_cpu.to(device=x.device, dtype=x.dtype)
         if routed is not None:
             out = out + routed
         if shared is not None:

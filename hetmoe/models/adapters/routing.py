@@ -37,7 +37,7 @@ def router_logits(
         out_dtype = torch.promote_types(out_dtype, bias.dtype)
     engine = _engine_linear(weight, bias)
     if engine is not None:
-        y = engine(x.float())
+        y = engine.forward(x.float())  # a direct call: a decode step routes in every layer
     else:
         y = F.linear(x.float(), _fp32_copy(weight), None if bias is None else _fp32_copy(bias))
     return y if out_dtype == torch.float32 else y.to(out_dtype)
