@@ -346,6 +346,15 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("bits"));
   m.def("int_vector_bits", [] { return g_int_vector_bits; });
+  m.def(
+      "set_prefetch_nta",
+      [](int nta) {
+        if (nta < -1 || nta > 1)
+          throw py::value_error("prefetch_nta: expected 1 (non-temporal), 0 (ordinary) or -1 (this CPU's default)");
+        g_prefetch_nta = nta < 0 ? default_prefetch_nta() : nta;
+      },
+      py::arg("nta"));
+  m.def("prefetch_nta", [] { return g_prefetch_nta != 0; });
 
   py::class_<MoEEngine>(m, "MoEEngine")
       .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,

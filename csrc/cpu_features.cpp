@@ -76,5 +76,8 @@ int default_int_vector_bits() {
 }
 
 int g_int_vector_bits = default_int_vector_bits();
+int default_prefetch_nta() { return cpu_features().amd ? 1 : 0; }
+
+int g_prefetch_nta = default_prefetch_nta();
 
 }  // namespace hetmoe

@@ -121,6 +121,8 @@ constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk +
 // Vector width of the AVX-512 unit's 4-bit integer GEMVs: 512 or 256 (cpu_features.cpp picks it).
 // Read on every call, so a change applies to the next one.
 extern int g_int_vector_bits;
+// Nonzero: the GEMVs prefetch weight rows non-temporally (kernels_common.inc: prefetch_line).
+extern int g_prefetch_nta;
 
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();

@@ -236,6 +236,39 @@ def test_default_gemv_switch_follows_the_vector_width() -> None:
         set_int_vector_bits(0)
 
 
+def test_weight_prefetch_hint_changes_no_result() -> None:
+    """Non-temporal or ordinary weight prefetches: the same bytes, so bit-identical outputs; the
+    environment and the setter choose, and a bad value is a clear error."""
+    from hetmoe.kernels.dispatch import set_weight_prefetch, weight_prefetch
+
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(4, 256, 512, generator=g) * 0.05, torch.randn(4, 256, 512, generator=g) * 0.05]
+    w.append(torch.randn(4, 512, 256, generator=g) * 0.05)
+    x, ids, weights_t = torch.randn(3, 512, generator=g), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    try:
+        for method in ("int4", "int8", "bf16"):
+            codec = get_codec(method, **({"group_size": 32} if method == "int4" else {}))
+            ce = CPUExperts(*(codec.quantize(t) for t in w))
+            outs = []
+            for hint in ("nta", "t0"):
+                set_weight_prefetch(hint)
+                assert weight_prefetch() == hint
+                outs.append(ce.forward(x, ids, weights_t))
+            assert torch.equal(outs[0], outs[1]), method
+    finally:
+        set_weight_prefetch("default")
+    with pytest.raises(ValueError, match="expected one of"):
+        set_weight_prefetch("l2")
+    code = "from hetmoe.kernels.dispatch import weight_prefetch; print(weight_prefetch())"
+    for hint in ("nta", "t0"):
+        env = {**os.environ, "HETMOE_WEIGHT_PREFETCH": hint}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == hint, proc
+    env = {**os.environ, "HETMOE_WEIGHT_PREFETCH": "always"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and "HETMOE_WEIGHT_PREFETCH='always'" in proc.stderr
+
+
 def test_int_vector_bits_from_the_environment() -> None:
     code = "from hetmoe.kernels.dispatch import int_vector_bits; print(int_vector_bits())"
     env = {**os.environ, "HETMOE_INT_VECTOR_BITS": "256"}

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if eng.get("available"):
         print(
             f"engine   best variant {eng['best']}, selected {eng['selected']}, "
-            f"integer GEMVs {eng['int_vector_bits']} bits wide"
+            f"integer GEMVs {eng['int_vector_bits']} bits wide, weight prefetch {eng['weight_prefetch']}"
         )
     else:
         print(f"engine   unavailable: {eng['error']}")

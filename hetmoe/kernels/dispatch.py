@@ -8,6 +8,10 @@ Within the AVX-512 variant the integer GEMVs (4-bit and natural-order) run 256 o
 512 on AMD (Zen 5 runs 512-bit integer ops at full width), 256 elsewhere (on Intel they streamed
 rows no faster, measured); ``HETMOE_INT_VECTOR_BITS=256|512`` or :func:`set_int_vector_bits`
 chooses.
+
+The GEMVs prefetch the weight rows they stream ahead of use, non-temporally on AMD (a row read
+once a step then stops evicting what the step reuses: measured faster on Zen 5) and with ordinary
+prefetches elsewhere; ``HETMOE_WEIGHT_PREFETCH=nta|t0`` or :func:`set_weight_prefetch` chooses.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 
 ISA_ENV = "HETMOE_ISA"
 INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
+WEIGHT_PREFETCH_ENV = "HETMOE_WEIGHT_PREFETCH"
+_PREFETCH_HINTS = {"nta": 1, "t0": 0, "default": -1}
 _module: ModuleType | None = None
 
 
@@ -43,6 +49,11 @@ def engine_module() -> ModuleType:
             if bits not in ("256", "512"):
                 raise ValueError(f"{INT_VECTOR_BITS_ENV}={bits!r}: expected 256 or 512")
             _C.set_int_vector_bits(int(bits))
+        hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
+        if hint:
+            if hint not in _PREFETCH_HINTS:
+                raise ValueError(f"{WEIGHT_PREFETCH_ENV}={hint!r}: expected one of {sorted(_PREFETCH_HINTS)}")
+            _C.set_prefetch_nta(_PREFETCH_HINTS[hint])
         _module = _C
     return _module
 
@@ -81,6 +92,19 @@ def int_vector_bits() -> int:
     return engine_module().int_vector_bits()
 
 
+def set_weight_prefetch(hint: str) -> None:
+    """How the GEMVs prefetch weight rows: ``nta`` (non-temporal), ``t0`` (into every cache level)
+    or ``default`` (nta on AMD, t0 elsewhere); applies from the next engine call. Results do not
+    change, only which caches the streamed weights pass through."""
+    if hint not in _PREFETCH_HINTS:
+        raise ValueError(f"weight prefetch: expected one of {sorted(_PREFETCH_HINTS)}, got {hint!r}")
+    engine_module().set_prefetch_nta(_PREFETCH_HINTS[hint])
+
+
+def weight_prefetch() -> str:
+    return "nta" if engine_module().prefetch_nta() else "t0"
+
+
 def isa_report() -> dict[str, Any]:
     """CPU features as the engine sees them, the best and the selected variant."""
     try:
@@ -93,4 +117,5 @@ def isa_report() -> dict[str, Any]:
         "best": mod.best_isa(),
         "selected": mod.selected_isa(),
         "int_vector_bits": mod.int_vector_bits() if mod.selected_isa() != "avx2" else 256,
+        "weight_prefetch": "nta" if mod.prefetch_nta() else "t0",
     }
