@@ -11,7 +11,16 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 ROOT = Path(__file__).parent
-SOURCES = ["bindings.cpp", "moe_engine.cpp", "linear_engine.cpp", "thread_pool.cpp", "cpu_features.cpp", "measure.cpp", "norms.cpp"]
+SOURCES = [
+    "bindings.cpp",
+    "moe_engine.cpp",
+    "linear_engine.cpp",
+    "thread_pool.cpp",
+    "cpu_features.cpp",
+    "measure.cpp",
+    "norms.cpp",
+    "decode_step.cpp",
+]
 ISA_SOURCES = {
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "decode_step.h"
 #include "kernels.h"
 #include "linear_engine.h"
 #include "measure.h"
@@ -23,25 +24,6 @@ using namespace hetmoe;
 namespace {
 
 const KernelTable* g_selected = nullptr;
-
-// One query token's attention for each (batch row, KV head), an item each over the engine's pool (the
-// waiting caller included): q fp32 [B, KV, G, D] contiguous; K/V rows of (b, h) at k + (b * kb + h *
-// kh) elements, kr / vr elements apart; mask fp32 additive [B, L] or nullptr; out as q.
-void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int64_t kv_heads, int groups, int64_t L,
-                       int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
-                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out) {
-  const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
-  auto job = std::make_shared<ForJob>(int(batch * kv_heads), [=](int item) {
-    thread_local std::vector<float> scores;
-    if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
-    const int64_t b = item / kv_heads, h = item % kv_heads;
-    const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
-    kt->attn_decode(q + qo, groups, k + (b * kb + h * kh) * elem, v + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
-                    mask ? mask + b * L : nullptr, scale, scores.data(), out + qo);
-  });
-  global_pool()->submit(job);
-  job->wait();
-}
 
 const KernelTable* table_for(const std::string& isa) {
   const CpuFeatures& f = cpu_features();
@@ -213,39 +195,13 @@ PYBIND11_MODULE(_C, m) {
         if (D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || position < 0)
           throw py::value_error("decode_attention_step: bad shape");
         py::gil_scoped_release release;
-        const KernelTable* kt = g_selected;
-        const size_t elem = dtype == kBF16Data ? 2 : 4;
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(qkv);
-        std::vector<uint8_t> normed(size_t(heads + kv_heads) * D * elem), rotated(size_t(heads + kv_heads) * D * elem);
-        uint8_t* qn = normed.data();
-        uint8_t* kn = qn + size_t(heads) * D * elem;
-        uint8_t* qr = rotated.data();
-        uint8_t* kr = qr + size_t(heads) * D * elem;
-        const void* c = reinterpret_cast<const void*>(cos);
-        const void* sn = reinterpret_cast<const void*>(sin);
-        rms_norm(src, reinterpret_cast<const void*>(q_norm), qn, dtype, heads, D, q_eps, q_mode);
-        rms_norm(src + size_t(heads) * D * elem, reinterpret_cast<const void*>(k_norm), kn, dtype, kv_heads, D, k_eps,
-                 k_mode);
-        rope(qn, c, sn, qr, dtype, 1, heads, 1, D, true);
-        rope(kn, c, sn, kr, dtype, 1, kv_heads, 1, D, true);
-        uint8_t* kb = reinterpret_cast<uint8_t*>(kbuf);
-        uint8_t* vb = reinterpret_cast<uint8_t*>(vbuf);
-        const uint8_t* v_src = src + size_t(heads + kv_heads) * D * elem;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          std::memcpy(kb + (h * k_head_stride + position * k_row_stride) * elem, kr + size_t(h) * D * elem, D * elem);
-          std::memcpy(vb + (h * v_head_stride + position * v_row_stride) * elem, v_src + size_t(h) * D * elem, D * elem);
-        }
-        std::vector<float> qf(size_t(heads) * D), of(size_t(heads) * D);
-        if (dtype == kBF16Data)
-          kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(qr), qf.data(), int(heads * D));
-        else
-          std::memcpy(qf.data(), qr, qf.size() * sizeof(float));
-        attn_decode_heads(kt, qf.data(), 1, kv_heads, int(heads / kv_heads), position + 1, int(D), kb, 0, k_head_stride,
-                          k_row_stride, vb, 0, v_head_stride, v_row_stride, dtype, nullptr, scale, of.data());
-        if (dtype == kBF16Data)
-          kt->f32_to_bf16(of.data(), reinterpret_cast<uint16_t*>(out), int(heads * D));
-        else
-          std::memcpy(reinterpret_cast<void*>(out), of.data(), of.size() * sizeof(float));
+        decode_attention_step(g_selected, reinterpret_cast<const void*>(qkv), dtype, heads, kv_heads, D,
+                              {reinterpret_cast<const void*>(q_norm), q_eps, q_mode},
+                              {reinterpret_cast<const void*>(k_norm), k_eps, k_mode}, reinterpret_cast<const void*>(cos),
+                              reinterpret_cast<const void*>(sin),
+                              {reinterpret_cast<uint8_t*>(kbuf), reinterpret_cast<uint8_t*>(vbuf), k_head_stride,
+                               k_row_stride, v_head_stride, v_row_stride, position},
+                              scale, reinterpret_cast<void*>(out));
       },
       py::arg("qkv"), py::arg("dtype"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"), py::arg("q_norm"),
       py::arg("k_norm"), py::arg("q_eps"), py::arg("k_eps"), py::arg("q_mode"), py::arg("k_mode"), py::arg("cos"),
@@ -409,6 +365,49 @@ PYBIND11_MODULE(_C, m) {
           py::arg("handle"))
       .def_property_readonly("pending", &MoEEngine::pending)
       .def_property_readonly("isa", [](const MoEEngine& e) { return std::string(e.kernels()->name); });
+
+  py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
+      .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,
+                       float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router) {
+             // A decoder layer's attention half for one token (decode_step.h); norms: four (weight
+             // pointer, eps, mode) for the input, q, k and post-attention norms. Weights in `dtype`
+             // stay owned by Python (hetmoe/models/fast_decode.py keeps them with the block).
+             if (!g_selected) throw py::value_error("select_isa() must be called first");
+             if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("DecodeAttentionBlock: dtype must be 0 or 1");
+             if (hidden <= 0 || D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || norms.size() != 4)
+               throw py::value_error("DecodeAttentionBlock: bad shape");
+             if (!qkv || qkv->cols() != hidden || qkv->rows() != (heads + 2 * kv_heads) * D)
+               throw py::value_error("DecodeAttentionBlock: qkv must map hidden to (heads + 2 kv_heads) * D");
+             if (!o_proj || o_proj->cols() != heads * D || o_proj->rows() != hidden)
+               throw py::value_error("DecodeAttentionBlock: o_proj must map heads * D to hidden");
+             if (router && router->cols() != hidden) throw py::value_error("DecodeAttentionBlock: router input");
+             NormSpec spec[4];
+             for (int i = 0; i < 4; ++i) {
+               const py::tuple n = norms[i].cast<py::tuple>();
+               spec[i] = {reinterpret_cast<const void*>(n[0].cast<uintptr_t>()), n[1].cast<float>(), n[2].cast<int>()};
+             }
+             return new DecodeAttentionBlock{g_selected, dtype,   hidden,  heads, kv_heads, D,      spec[0],
+                                             spec[1],    spec[2], spec[3], scale, qkv,      o_proj, router};
+           }),
+           py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
+           py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
+           py::keep_alive<1, 9>(), py::keep_alive<1, 10>(), py::keep_alive<1, 11>())
+      .def(
+          "run",
+          [](const DecodeAttentionBlock& b, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,
+             int64_t k_head_stride, int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, int64_t position,
+             uintptr_t x_out, uintptr_t h_out, uintptr_t logits) {
+            if (position < 0) throw py::value_error("DecodeAttentionBlock.run: negative position");
+            py::gil_scoped_release release;
+            b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
+                  reinterpret_cast<const void*>(sin),
+                  {reinterpret_cast<uint8_t*>(kbuf), reinterpret_cast<uint8_t*>(vbuf), k_head_stride, k_row_stride,
+                   v_head_stride, v_row_stride, position},
+                  reinterpret_cast<void*>(x_out), reinterpret_cast<void*>(h_out), reinterpret_cast<void*>(logits));
+          },
+          py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"),
+          py::arg("k_row_stride"), py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"),
+          py::arg("x_out"), py::arg("h_out"), py::arg("logits"));
 
   py::class_<LinearEngine>(m, "LinearEngine")
       .def(py::init([](const py::tuple& weight, uintptr_t bias, int gemv_max_tokens) {

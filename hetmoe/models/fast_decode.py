@@ -16,6 +16,7 @@ It is installed only where the layer has what it reads: q/k/v fused into one eng
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import types
 from typing import Any
@@ -26,6 +27,9 @@ from torch import nn
 from ..kernels.dispatch import engine_module
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
+from ..runtime.hybrid import HybridMoE
+from .adapters.base import MoEAdapter
+from .adapters.routing import engine_linear
 from .cpu_attention import ATTENTION_NAME, attention_forward
 from .fused_norms import _DTYPES, norm_rows
 from .fused_norms import _fused_forward as fused_norm
@@ -300,9 +304,135 @@ def _norm_rope_direct(
     return rope(norm_rows(attn.q_norm, q), cos, sin), rope(norm_rows(attn.k_norm, k), cos, sin)
 
 
+def _router_engine(mlp: nn.Module) -> Any:
+    """The engine linear that computes ``mlp``'s router logits (routing.router_logits' own), where
+    the block is a HybridMoE whose adapter routes from those logits alone; else None."""
+    if not isinstance(mlp, HybridMoE) or type(mlp.adapter).route_logits is MoEAdapter.route_logits:
+        return None
+    gate = mlp.gate
+    if gate._forward_hooks or gate._forward_pre_hooks:
+        return None
+    return engine_linear(gate.weight, None)
+
+
+def _attention_block(layer: nn.Module, dtype: torch.dtype) -> tuple[Any, Any, int] | None:
+    """``(engine block, router CPULinear or None, KV heads)`` running the layer's attention half for
+    one token (decode_step.h), made once and again whenever a module or weight it points to is
+    replaced (the block keeps them, so an identity check suffices); None where the layer's parts do
+    not fit it."""
+    attn = layer.self_attn
+    parts = (
+        dtype,
+        layer.input_layernorm.weight,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        layer.post_attention_layernorm.weight,
+        attn.fused_qkv_proj.linear,
+        attn.o_proj,
+        _router_engine(layer.mlp),
+    )
+    cached = layer.__dict__.get("_hetmoe_decode_block")
+    if cached is not None and all(map(operator.is_, cached[0], parts)):
+        return cached[1]
+    made = _make_attention_block(layer, dtype, parts[-1])
+    layer._hetmoe_decode_block = (parts, made)
+    return made
+
+
+def _make_attention_block(layer: nn.Module, dtype: torch.dtype, router: Any) -> tuple[Any, Any, int] | None:
+    attn = layer.self_attn
+    group: FusedLinears = attn.fused_qkv_proj
+    d, b = attn.head_dim, group.bounds
+    hidden = group.linear.in_features
+    heads, kv = (b[1] - b[0]) // d, (b[2] - b[1]) // d
+    norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)
+    widths = (hidden, d, d, hidden)
+    if dtype not in _DTYPES or d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv:
+        return None
+    if attn.o_proj.in_features != heads * d or attn.o_proj.out_features != hidden:
+        return None
+    for n, width in zip(norms, widths, strict=True):
+        if n.weight.dtype != dtype or n.weight.shape != (width,) or not n.weight.is_contiguous():
+            return None
+    if attn.q_norm._hetmoe_mode != 0 or attn.k_norm._hetmoe_mode != 0:  # the modes _norm_rope_applies takes
+        return None
+    if router is not None and router.in_features != hidden:
+        router = None
+    block = engine_module().DecodeAttentionBlock(
+        _DTYPES[dtype],
+        hidden,
+        heads,
+        kv,
+        d,
+        tuple((n.weight.data_ptr(), n._hetmoe_eps, n._hetmoe_mode) for n in norms),
+        float(attn.scaling),
+        group.linear._engine,
+        attn.o_proj._engine,
+        None if router is None else router._engine,
+    )
+    return block, router, kv
+
+
+def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:
+    """The layer for one token with its attention half as one engine call (the router's logits too,
+    where the MoE block routes from them): the same kernels in the same order as ``_one_token``'s
+    separate calls, so the same values. None where it does not apply."""
+    attn = layer.self_attn
+    group = attn.fused_qkv_proj
+    if group._forward_hooks or group._forward_pre_hooks or group.linear._forward_hooks:
+        return None
+    if group.linear._forward_pre_hooks or not x.is_contiguous():
+        return None
+    dtype = x.dtype
+    made = _attention_block(layer, dtype)
+    if made is None:
+        return None
+    block, router, kv_heads = made
+    cos, sin = position_embeddings
+    d = attn.head_dim
+    if cos.dtype != dtype or sin.dtype != dtype or cos.shape != (1, 1, d) or sin.shape != (1, 1, d):
+        return None
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    layer_cache = cache.layers[attn.layer_idx]
+    free_row = getattr(layer_cache, "free_row", None)
+    free = free_row(kv_heads, d, dtype) if free_row is not None else None
+    if free is None:
+        return None
+    row, kbuf, vbuf = free
+    hidden = x.shape[-1]
+    x_out = torch.empty(1, 1, hidden, dtype=dtype)
+    h_out = torch.empty(1, hidden, dtype=dtype)
+    logits = None if router is None else torch.empty(1, router.out_features, dtype=dtype)
+    block.run(
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kbuf.data_ptr(),
+        vbuf.data_ptr(),
+        kbuf.stride(1),
+        kbuf.stride(2),
+        vbuf.stride(1),
+        vbuf.stride(2),
+        row,
+        x_out.data_ptr(),
+        h_out.data_ptr(),
+        0 if logits is None else logits.data_ptr(),
+    )
+    layer_cache.commit(1)
+    mlp = layer.mlp
+    if logits is None:
+        return x_out + mlp(h_out.view(1, 1, hidden))
+    weights, ids = mlp.adapter.route_logits(mlp, logits)
+    return x_out + mlp.forward_routed(h_out, weights, ids).view(1, 1, hidden)
+
+
 def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor:
     """transformers' Qwen3MoeDecoderLayer + Qwen3MoeAttention forward for one token, the same ops in
     the same order, called directly."""
+    out = _one_token_block(layer, x, cache, position_embeddings)
+    if out is not None:
+        return out
     attn = layer.self_attn
     modeling = sys.modules[type(layer).__module__]
     d = attn.head_dim

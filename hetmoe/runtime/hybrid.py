@@ -161,17 +161,26 @@ class HybridMoE(nn.Module):
         self.cpu.set_mask(self._device_mask)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, ids = self.adapter.route(self, x)
+        out = self.forward_routed(x, weights, ids, start).reshape(hidden_states.shape)
+        return (out, weights) if self.adapter.returns_router_scores else out
+
+    def forward_routed(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, start: float | None = None
+    ) -> torch.Tensor:
+        """The block's output ``[T, H]`` for ``x [T, H]`` routed to ``ids`` with ``weights`` (the
+        adapter's routing; models/fast_decode.py routes from logits the engine computed)."""
         if self.cpu is None or self.device_experts is None:
             raise RuntimeError(f"HybridMoE of layer {self.layer} has no experts attached")
-        if torch.is_grad_enabled() and hidden_states.requires_grad:
+        if torch.is_grad_enabled() and x.requires_grad:
             # The engine has no backward: gradients would silently skip the routed experts.
             raise RuntimeError("HybridMoE is inference-only: run under torch.no_grad() (fine-tuning is hetmoe sft)")
-        start = time.perf_counter()
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        if start is None:
+            start = time.perf_counter()
         if self.deferred is not None:
             self.deferred.begin(self.layer)
-        weights, ids = self.adapter.route(self, x)
         with torch.no_grad():
             ids_cpu = _on_cpu(ids, torch.int64)
             if self.layerwise is not None and self.layerwise.applies(x.shape[0]):
@@ -191,8 +200,7 @@ class HybridMoE(nn.Module):
         if self.stats.record_routing:
             self.stats.record(self.layer, ids_cpu)
         self._maybe_replace(ids_cpu)
-        out = out.reshape(shape)
-        return (out, weights) if self.adapter.returns_router_scores else out
+        return out
 
     def _forward_hybrid(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor

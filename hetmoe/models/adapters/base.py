@@ -78,6 +78,13 @@ class MoEAdapter(ABC):
         router submodule and buffers), ``x`` the flattened hidden states ``[T, H]``.
         """
 
+    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``route`` from the logits, where this architecture's logits are ``router_logits(x,
+        block.gate.weight)`` (routing.py: no bias, the router's own dtype) and everything after them is
+        a function of the logits alone: the one-token decode path then has the engine compute them.
+        None for every other router."""
+        return None
+
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The output of the shared experts for ``x [T, H]``, or None when there are none."""
         return None

@@ -14,5 +14,7 @@ class Qwen3MoeAdapter(MoEAdapter):
     block_classes = ("Qwen3MoeSparseMoeBlock",)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits(x, block.gate.weight)
+        return self.route_logits(block, router_logits(x, block.gate.weight))
+
+    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)

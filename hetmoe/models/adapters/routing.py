@@ -35,7 +35,7 @@ def router_logits(
     out_dtype = torch.float32 if fp32 else torch.promote_types(x.dtype, weight.dtype)
     if bias is not None and not fp32:
         out_dtype = torch.promote_types(out_dtype, bias.dtype)
-    engine = _engine_linear(weight, bias)
+    engine = engine_linear(weight, bias)
     if engine is not None:
         y = engine.forward(x.float())  # a direct call: a decode step routes in every layer
     else:
@@ -47,7 +47,7 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def _engine_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module | None:
+def engine_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module | None:
     """A bf16 CPULinear of a bf16 ``weight [E, H]`` (cached on it), or None where the engine cannot run it."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
         return None

@@ -1,0 +1,119 @@
+#include "decode_step.h"
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "engine_common.h"
+#include "moe_engine.h"  // global_pool()
+#include "norms.h"
+#include "thread_pool.h"
+
+namespace hetmoe {
+
+void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int64_t kv_heads, int groups, int64_t L,
+                       int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
+                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out) {
+  const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
+  auto job = std::make_shared<ForJob>(int(batch * kv_heads), [=](int item) {
+    thread_local std::vector<float> scores;
+    if (scores.size() < size_t(groups) * L) scores.resize(size_t(groups) * L);
+    const int64_t b = item / kv_heads, h = item % kv_heads;
+    const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
+    kt->attn_decode(q + qo, groups, k + (b * kb + h * kh) * elem, v + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
+                    mask ? mask + b * L : nullptr, scale, scores.data(), out + qo);
+  });
+  global_pool()->submit(job);
+  job->wait();
+}
+
+void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, int64_t heads, int64_t kv_heads,
+                           int64_t D, const NormSpec& q_norm, const NormSpec& k_norm, const void* cos,
+                           const void* sin, const KVRows& kv, float scale, void* out) {
+  const size_t elem = dtype == kBF16Data ? 2 : 4;
+  const uint8_t* src = static_cast<const uint8_t*>(qkv);
+  thread_local std::vector<uint8_t> normed, rotated;
+  thread_local std::vector<float> qf, of;
+  normed.resize(size_t(heads + kv_heads) * D * elem);
+  rotated.resize(normed.size());
+  uint8_t* qn = normed.data();
+  uint8_t* kn = qn + size_t(heads) * D * elem;
+  uint8_t* qr = rotated.data();
+  uint8_t* kr = qr + size_t(heads) * D * elem;
+  rms_norm(src, q_norm.weight, qn, dtype, heads, D, q_norm.eps, q_norm.mode);
+  rms_norm(src + size_t(heads) * D * elem, k_norm.weight, kn, dtype, kv_heads, D, k_norm.eps, k_norm.mode);
+  rope(qn, cos, sin, qr, dtype, 1, heads, 1, D, true);
+  rope(kn, cos, sin, kr, dtype, 1, kv_heads, 1, D, true);
+  const uint8_t* v_src = src + size_t(heads + kv_heads) * D * elem;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    std::memcpy(kv.k + (h * kv.k_head_stride + kv.position * kv.k_row_stride) * elem, kr + size_t(h) * D * elem,
+                D * elem);
+    std::memcpy(kv.v + (h * kv.v_head_stride + kv.position * kv.v_row_stride) * elem, v_src + size_t(h) * D * elem,
+                D * elem);
+  }
+  qf.resize(size_t(heads) * D);
+  of.resize(qf.size());
+  if (dtype == kBF16Data)
+    kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(qr), qf.data(), int(heads * D));
+  else
+    std::memcpy(qf.data(), qr, qf.size() * sizeof(float));
+  attn_decode_heads(kt, qf.data(), 1, kv_heads, int(heads / kv_heads), kv.position + 1, int(D), kv.k, 0,
+                    kv.k_head_stride, kv.k_row_stride, kv.v, 0, kv.v_head_stride, kv.v_row_stride, dtype, nullptr,
+                    scale, of.data());
+  if (dtype == kBF16Data)
+    kt->f32_to_bf16(of.data(), static_cast<uint16_t*>(out), int(heads * D));
+  else
+    std::memcpy(out, of.data(), of.size() * sizeof(float));
+}
+
+namespace {
+
+void linear(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtype) {
+  e->wait(e->submit(x, x_dtype, 1, y, y_dtype));
+}
+
+}  // namespace
+
+void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out,
+                               void* h_out, void* logits) const {
+  const size_t elem = dtype == kBF16Data ? 2 : 4;
+  thread_local std::vector<uint8_t> h, qkv_row, attn, o;
+  h.resize(size_t(hidden) * elem);
+  qkv_row.resize(size_t(heads + 2 * kv_heads) * D * elem);
+  attn.resize(size_t(heads) * D * elem);
+  o.resize(size_t(hidden) * elem);
+  rms_norm(x, input_norm.weight, h.data(), dtype, 1, hidden, input_norm.eps, input_norm.mode);
+  linear(qkv, h.data(), dtype, qkv_row.data(), dtype);
+  decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, q_norm, k_norm, cos, sin, kv, scale,
+                        attn.data());
+  linear(o_proj, attn.data(), dtype, o.data(), dtype);
+  // The residual add as torch adds two tensors of the dtype: in fp32, rounded once.
+  thread_local std::vector<float> a, b;
+  a.resize(hidden);
+  b.resize(hidden);
+  if (dtype == kBF16Data) {
+    kt->bf16_to_f32(static_cast<const uint16_t*>(x), a.data(), int(hidden));
+    kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(o.data()), b.data(), int(hidden));
+    for (int64_t i = 0; i < hidden; ++i) a[i] += b[i];
+    kt->f32_to_bf16(a.data(), static_cast<uint16_t*>(x_out), int(hidden));
+  } else {
+    const float* xf = static_cast<const float*>(x);
+    const float* of = reinterpret_cast<const float*>(o.data());
+    float* out = static_cast<float*>(x_out);
+    for (int64_t i = 0; i < hidden; ++i) out[i] = xf[i] + of[i];
+  }
+  rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
+  if (!router) return;
+  // The router takes an fp32 copy of h and rounds its fp32 logits to the dtype.
+  if (dtype == kBF16Data) {
+    kt->bf16_to_f32(static_cast<const uint16_t*>(h_out), a.data(), int(hidden));
+    thread_local std::vector<float> lf;
+    lf.resize(router->rows());
+    linear(router, a.data(), kF32, lf.data(), kF32);
+    kt->f32_to_bf16(lf.data(), static_cast<uint16_t*>(logits), router->rows());
+  } else {
+    linear(router, h_out, kF32, logits, kF32);
+  }
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,62 @@
+// One token of one sequence through a decoder layer's attention half, in C++: what a CPU-only decode
+// step otherwise does as a dozen Python-level calls between the engine's kernels (measured ~100 us of
+// a layer's ~1 ms on a 2-core Zen 5). The same kernels in the same order as those calls, so the same
+// values: RMSNorm -> fused q/k/v linear -> q/k norms, rotary embedding, KV append, attention -> o_proj
+// -> residual add -> post-attention RMSNorm -> (optionally) the router's logits.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+#include "linear_engine.h"
+
+namespace hetmoe {
+
+// One query token's attention for each (batch row, KV head), an item each over the engine's pool (the
+// waiting caller included): q fp32 [B, KV, G, D] contiguous; K/V rows of (b, h) at k + (b * kb + h *
+// kh) elements, kr / vr elements apart; mask fp32 additive [B, L] or nullptr; out as q.
+void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int64_t kv_heads, int groups, int64_t L,
+                       int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
+                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out);
+
+// Where the step writes this token's key and value rows and reads the cache: [heads, capacity, D]
+// buffers in the step's dtype, strides in elements (unit stride along D), `position` the new row.
+struct KVRows {
+  uint8_t* k;
+  uint8_t* v;
+  int64_t k_head_stride, k_row_stride, v_head_stride, v_row_stride;
+  int64_t position;
+};
+
+// The norms' parameters as fused_norms.py describes them (norms.h: NormMode).
+struct NormSpec {
+  const void* weight;
+  float eps;
+  int mode;
+};
+
+// qkv [(H + 2 KV) * D] in `dtype` (0 fp32, 1 bf16): q and k RMS-normed and rotated (cos, sin [D]),
+// k and v appended at kv.position, then the query over rows [0, position]; out [H * D] in `dtype`.
+void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, int64_t heads, int64_t kv_heads,
+                           int64_t D, const NormSpec& q_norm, const NormSpec& k_norm, const void* cos,
+                           const void* sin, const KVRows& kv, float scale, void* out);
+
+// A decoder layer's attention half for one token (shapes checked by the Python side once, when it
+// makes the block, and the per-step pointers by hetmoe/models/fast_decode.py).
+struct DecodeAttentionBlock {
+  const KernelTable* kt;
+  int dtype;  // of the hidden states and every weight the step touches
+  int64_t hidden, heads, kv_heads, D;
+  NormSpec input_norm, q_norm, k_norm, post_norm;
+  float scale;
+  LinearEngine* qkv;     // [hidden] -> [(H + 2 KV) * D]
+  LinearEngine* o_proj;  // [H * D] -> [hidden]
+  LinearEngine* router;  // [hidden] fp32 -> [experts] fp32, or nullptr
+
+  // x [hidden] -> x_out = x + o_proj(attention(...)), h_out = post_norm(x_out), both [hidden] in
+  // dtype; with a router, logits [experts] = router(fp32(h_out)) rounded to dtype, as
+  // models/adapters/routing.py computes a bf16 router's logits.
+  void run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out, void* h_out,
+           void* logits) const;
+};
+
+}  // namespace hetmoe
