@@ -165,8 +165,15 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     if position_ids is None:
         position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
     position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    # What _takes_fast_path checks per layer, checked once for all (_causal_fast saw the cache's layers)
+    direct = inner.config._attn_implementation == ATTENTION_NAME and not (
+        hidden.requires_grad and torch.is_grad_enabled()
+    )
     for layer in inner.layers[: inner.config.num_hidden_layers]:
-        hidden = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
+        if direct and not layer.training and _fast_installed(layer) and _parts_unhooked(layer):
+            hidden = _one_token(layer, hidden, cache, position_embeddings)
+        else:
+            hidden = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
     hidden = inner.norm(hidden)
     return _transformers().MoeCausalLMOutputWithPast(logits=model.lm_head(hidden), cache=cache)
 
@@ -197,6 +204,7 @@ def _make_forward(original: Any) -> Any:
             )
         return _one_token(self, hidden_states, cache, position_embeddings)
 
+    forward.hetmoe_fast_decode = True  # type: ignore[attr-defined]
     return forward
 
 
@@ -220,9 +228,36 @@ def _takes_fast_path(
     idx = layer.self_attn.layer_idx
     if layers is None or idx >= len(layers) or not isinstance(layers[idx], _transformers().DynamicLayer):
         return False
-    # hooks on the layer's parts would be skipped by the direct calls below
-    attn = layer.self_attn
-    parts = (layer, attn, attn.q_norm, attn.k_norm, attn.o_proj, layer.input_layernorm, layer.post_attention_layernorm)
+    return _parts_unhooked(layer)
+
+
+def _fast_installed(layer: nn.Module) -> bool:
+    """The layer's forward is still the one install_fast_decode gave it."""
+    return getattr(layer.__dict__.get("forward"), "hetmoe_fast_decode", False)
+
+
+def _parts_unhooked(layer: nn.Module) -> bool:
+    """No forward hooks on the modules the one-token path calls directly (the hooks would be skipped).
+    Children are read from ``_modules`` itself: ``nn.Module.__getattr__`` cost ~0.6 us an attribute,
+    and a decode step reads dozens."""
+    try:
+        children = layer._modules
+        attn = children["self_attn"]
+        group = attn._modules["fused_qkv_proj"]
+        parts = (
+            layer,
+            attn,
+            attn._modules["q_norm"],
+            attn._modules["k_norm"],
+            attn._modules["o_proj"],
+            group,
+            group._modules["linear"],
+            children["input_layernorm"],
+            children["post_attention_layernorm"],
+            children["mlp"],
+        )
+    except KeyError:  # a part was removed after install_fast_decode: transformers' forward
+        return False
     return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
 
 
@@ -309,8 +344,8 @@ def _router_engine(mlp: nn.Module) -> Any:
     the block is a HybridMoE whose adapter routes from those logits alone; else None."""
     if not isinstance(mlp, HybridMoE) or type(mlp.adapter).route_logits is MoEAdapter.route_logits:
         return None
-    gate = mlp.gate
-    if gate._forward_hooks or gate._forward_pre_hooks:
+    gate = mlp._modules.get("gate")
+    if gate is None or gate._forward_hooks or gate._forward_pre_hooks:
         return None
     return engine_linear(gate.weight, None)
 
@@ -320,16 +355,17 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype) -> tuple[Any, Any, in
     one token (decode_step.h), made once and again whenever a module or weight it points to is
     replaced (the block keeps them, so an identity check suffices); None where the layer's parts do
     not fit it."""
-    attn = layer.self_attn
+    children = layer._modules  # not attribute access: see _parts_unhooked
+    attn = children["self_attn"]._modules
     parts = (
         dtype,
-        layer.input_layernorm.weight,
-        attn.q_norm.weight,
-        attn.k_norm.weight,
-        layer.post_attention_layernorm.weight,
-        attn.fused_qkv_proj.linear,
-        attn.o_proj,
-        _router_engine(layer.mlp),
+        children["input_layernorm"]._parameters["weight"],
+        attn["q_norm"]._parameters["weight"],
+        attn["k_norm"]._parameters["weight"],
+        children["post_attention_layernorm"]._parameters["weight"],
+        attn["fused_qkv_proj"]._modules["linear"],
+        attn["o_proj"],
+        _router_engine(children["mlp"]),
     )
     cached = layer.__dict__.get("_hetmoe_decode_block")
     if cached is not None and all(map(operator.is_, cached[0], parts)):
@@ -377,11 +413,8 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     """The layer for one token with its attention half as one engine call (the router's logits too,
     where the MoE block routes from them): the same kernels in the same order as ``_one_token``'s
     separate calls, so the same values. None where it does not apply."""
-    attn = layer.self_attn
-    group = attn.fused_qkv_proj
-    if group._forward_hooks or group._forward_pre_hooks or group.linear._forward_hooks:
-        return None
-    if group.linear._forward_pre_hooks or not x.is_contiguous():
+    attn = layer._modules["self_attn"]
+    if not x.is_contiguous():
         return None
     dtype = x.dtype
     made = _attention_block(layer, dtype)
@@ -420,7 +453,7 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
         0 if logits is None else logits.data_ptr(),
     )
     layer_cache.commit(1)
-    mlp = layer.mlp
+    mlp = layer._modules["mlp"]
     if logits is None:
         return x_out + mlp(h_out.view(1, 1, hidden))
     weights, ids = mlp.adapter.route_logits(mlp, logits)
