@@ -418,7 +418,7 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
         return None
     dtype = x.dtype
     made = _attention_block(layer, dtype)
-    if made is None:
+    if made is None or x.numel() != attn._modules["o_proj"].out_features:
         return None
     block, router, kv_heads = made
     cos, sin = position_embeddings
