@@ -280,6 +280,24 @@ def _norm_rope_applies(attn: nn.Module, qkv: torch.Tensor, d: int, cos: torch.Te
     )
 
 
+def _rotary_and_cache_row(
+    cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, row: int
+) -> tuple[int, ...]:
+    """The engine's decode-step arguments for the rotary tables and the cache row to write: pointers,
+    then the buffers' head and row strides ([1, heads, capacity, D], unit stride along D)."""
+    return (
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kbuf.data_ptr(),
+        vbuf.data_ptr(),
+        kbuf.stride(1),
+        kbuf.stride(2),
+        vbuf.stride(1),
+        vbuf.stride(2),
+        row,
+    )
+
+
 def _attention_step(
     attn: nn.Module, cache: Any, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor | None:
@@ -311,15 +329,7 @@ def _attention_step(
         kn._hetmoe_eps,
         qn._hetmoe_mode,
         kn._hetmoe_mode,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        kbuf.data_ptr(),
-        vbuf.data_ptr(),
-        kbuf.stride(1),
-        kbuf.stride(2),
-        vbuf.stride(1),
-        vbuf.stride(2),
-        row,
+        *_rotary_and_cache_row(cos, sin, kbuf, vbuf, row),
         float(attn.scaling),
         out.data_ptr(),
     )
@@ -439,15 +449,7 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     logits = None if router is None else torch.empty(1, router.out_features, dtype=dtype)
     block.run(
         x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        kbuf.data_ptr(),
-        vbuf.data_ptr(),
-        kbuf.stride(1),
-        kbuf.stride(2),
-        vbuf.stride(1),
-        vbuf.stride(2),
-        row,
+        *_rotary_and_cache_row(cos, sin, kbuf, vbuf, row),
         x_out.data_ptr(),
         h_out.data_ptr(),
         0 if logits is None else logits.data_ptr(),
