@@ -48,9 +48,11 @@ _ENGINE_X_DTYPES = (torch.bfloat16, torch.float32)
 def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor of ``dtype``, detached; itself where it is one already (a
     decode step makes these checks in every layer, and each no-op torch call costs a microsecond)."""
-    if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
-        return t.detach() if t.requires_grad else t
-    return t.detach().to(device="cpu", dtype=dtype).contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    if t.device.type != "cpu" or t.dtype != dtype:
+        t = t.to(device="cpu", dtype=dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class ExpertBackend(Protocol):
