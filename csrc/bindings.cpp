@@ -181,33 +181,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
       py::arg("mask"), py::arg("scale"), py::arg("out"));
   m.def(
-      "decode_attention_step",
-      [](uintptr_t qkv, int dtype, int64_t heads, int64_t kv_heads, int64_t D, uintptr_t q_norm, uintptr_t k_norm,
-         float q_eps, float k_eps, int q_mode, int k_mode, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,
-         int64_t k_head_stride, int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, int64_t position,
-         float scale, uintptr_t out) {
-        // One token of one sequence (hetmoe/models/fast_decode.py checked everything): qkv [(H + 2 KV) * D]
-        // in `dtype`; q and k RMS-normed and rotated exactly as norm_rows and rope do, k and v written
-        // into the cache buffers at row `position` (strides in elements, unit stride along D), then the
-        // query over rows [0, position] as attn_decode computes it; out [H * D] in `dtype`.
-        if (!g_selected) throw py::value_error("select_isa() must be called first");
-        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("decode_attention_step: dtype must be 0 or 1");
-        if (D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || position < 0)
-          throw py::value_error("decode_attention_step: bad shape");
-        py::gil_scoped_release release;
-        decode_attention_step(g_selected, reinterpret_cast<const void*>(qkv), dtype, heads, kv_heads, D,
-                              {reinterpret_cast<const void*>(q_norm), q_eps, q_mode},
-                              {reinterpret_cast<const void*>(k_norm), k_eps, k_mode}, reinterpret_cast<const void*>(cos),
-                              reinterpret_cast<const void*>(sin),
-                              {reinterpret_cast<uint8_t*>(kbuf), reinterpret_cast<uint8_t*>(vbuf), k_head_stride,
-                               k_row_stride, v_head_stride, v_row_stride, position},
-                              scale, reinterpret_cast<void*>(out));
-      },
-      py::arg("qkv"), py::arg("dtype"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"), py::arg("q_norm"),
-      py::arg("k_norm"), py::arg("q_eps"), py::arg("k_eps"), py::arg("q_mode"), py::arg("k_mode"), py::arg("cos"),
-      py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"), py::arg("k_row_stride"),
-      py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"), py::arg("scale"), py::arg("out"));
-  m.def(
       "f32_to_bf16",
       [](uintptr_t src, uintptr_t dst, int64_t n) {
         // fp32 [n] -> bf16 [n], contiguous (checked in Python); the conversion the engine's bf16 paths use.

@@ -70,21 +70,18 @@ def test_not_installed_without_fused_projections(tiny_cache) -> None:
     assert not _fast_layers(model)
 
 
-@pytest.mark.parametrize("path", ["block", "step", "direct"])
+@pytest.mark.parametrize("path", ["block", "direct"])
 def test_one_token_engine_paths_are_bit_identical(tiny_cache, monkeypatch, path: str) -> None:
     """block: with a cache that appends in place, the layer's attention half and the router's logits
-    are one engine call (decode_step.h); step: without the block, the q/k norms, rotary embedding,
-    cache append and attention are one engine call; direct: with transformers' DynamicCache the norms
-    and rotary embedding are direct engine calls. Each bit-identical to transformers' forward."""
+    are one engine call (decode_step.h); direct: with transformers' DynamicCache the norms and rotary
+    embedding are direct engine calls. Each bit-identical to transformers' forward."""
     from transformers.cache_utils import DynamicCache
 
     import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
     from hetmoe.models.adapters.qwen3_moe import Qwen3MoeAdapter
 
-    if path == "step":
-        monkeypatch.setattr(fast_decode, "_one_token_block", lambda *args: None)
-    taken: dict[str, list[bool]] = {"_one_token_block": [], "_attention_step": [], "_norm_rope_direct": []}
+    taken: dict[str, list[bool]] = {"_one_token_block": [], "_norm_rope_direct": []}
     for name, calls in taken.items():
         real = getattr(fast_decode, name)
 
@@ -107,15 +104,13 @@ def test_one_token_engine_paths_are_bit_identical(tiny_cache, monkeypatch, path:
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     fast = _steps(model, ids, 6, fast=True, cache_class=DynamicCache if path == "direct" else None)
-    block, step, direct = (taken[n] for n in ("_one_token_block", "_attention_step", "_norm_rope_direct"))
+    block, direct = taken["_one_token_block"], taken["_norm_rope_direct"]
     if path == "block":
-        assert block and all(block) and not step and not direct
+        assert block and all(block) and not direct
         # every decode step's routing came from the engine's logits (route itself ran for the prompt)
         assert routed["route"] == layers and routed["route_logits"] == layers * 7
-    elif path == "step":
-        assert step and all(step) and not direct
     else:
-        assert not any(block) and not any(step) and direct and all(direct)
+        assert not any(block) and direct and all(direct)
     monkeypatch.undo()
     slow = _steps(model, ids, 6, fast=False, cache_class=DynamicCache if path == "direct" else None)
     for a, b in zip(fast, slow, strict=True):

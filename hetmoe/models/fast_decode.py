@@ -10,7 +10,9 @@ over many steps). Every other call (prefill, batches, masks, another attention i
 autograd, hooks) runs transformers' own forward unchanged.
 
 It is installed only where the layer has what it reads: q/k/v fused into one engine call
-(runtime/fused_linears.py), fused norms and rotary embedding, this project's CPU attention.
+(runtime/fused_linears.py), fused norms and rotary embedding, this project's CPU attention. Where
+the cache appends in place (runtime/kv_cache.py), the whole attention half of a layer and its
+router's logits are one engine call (``DecodeAttentionBlock``, csrc/decode_step.h).
 """
 
 from __future__ import annotations
@@ -261,80 +263,24 @@ def _parts_unhooked(layer: nn.Module) -> bool:
     return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
 
 
-def _norm_rope_applies(attn: nn.Module, qkv: torch.Tensor, d: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """The engine's norm and rotary kernels take this token's q/k rows as they lie in ``qkv``."""
-    dtype = qkv.dtype
-    norms = (attn.q_norm, attn.k_norm)
-    return not (
-        dtype not in (torch.float32, torch.bfloat16)
-        or not qkv.is_contiguous()
-        or any(
-            n.weight.dtype != dtype or n.weight.shape != (d,) or not n.weight.is_contiguous() or n._hetmoe_mode != 0
-            for n in norms
-        )
-        or cos.dtype != dtype
-        or sin.dtype != dtype
-        or cos.shape != (1, 1, d)
-        or sin.shape != (1, 1, d)
-        or not (cos.is_contiguous() and sin.is_contiguous())
+def _qk_norms_apply(attn: nn.Module, d: int, dtype: torch.dtype) -> bool:
+    """The engine's norm kernel takes q_norm and k_norm as they are, for rows of ``d`` in ``dtype``."""
+    return dtype in _DTYPES and all(
+        n.weight.dtype == dtype and n.weight.shape == (d,) and n.weight.is_contiguous() and n._hetmoe_mode == 0
+        for n in (attn.q_norm, attn.k_norm)
     )
 
 
-def _rotary_and_cache_row(
-    cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, row: int
-) -> tuple[int, ...]:
-    """The engine's decode-step arguments for the rotary tables and the cache row to write: pointers,
-    then the buffers' head and row strides ([1, heads, capacity, D], unit stride along D)."""
+def _rotary_applies(cos: torch.Tensor, sin: torch.Tensor, d: int, dtype: torch.dtype) -> bool:
+    """The engine's rotary kernel takes this token's tables ``[1, 1, d]`` as they are."""
     return (
-        cos.data_ptr(),
-        sin.data_ptr(),
-        kbuf.data_ptr(),
-        vbuf.data_ptr(),
-        kbuf.stride(1),
-        kbuf.stride(2),
-        vbuf.stride(1),
-        vbuf.stride(2),
-        row,
+        cos.dtype == dtype
+        and sin.dtype == dtype
+        and cos.shape == (1, 1, d)
+        and sin.shape == (1, 1, d)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
     )
-
-
-def _attention_step(
-    attn: nn.Module, cache: Any, qkv: torch.Tensor, bounds: list[int], d: int, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor | None:
-    """q_norm, k_norm, the rotary embedding, the cache append and the attention as one engine call:
-    the same kernels in the same order as the separate calls of ``_one_token`` (so the same values),
-    without their Python between them. ``[1, 1, H * d]``; None where the cache cannot take the row in
-    place (its first token, a full buffer, another cache class) or a kernel does not apply."""
-    layer = cache.layers[attn.layer_idx]
-    heads, kv = (bounds[1] - bounds[0]) // d, (bounds[2] - bounds[1]) // d
-    if not hasattr(layer, "free_row") or d % 16 or bounds[0] != 0 or bounds[3] != qkv.shape[-1] or qkv.dim() != 3:
-        return None
-    if not _norm_rope_applies(attn, qkv, d, cos, sin):
-        return None
-    free = layer.free_row(kv, d, qkv.dtype)
-    if free is None:
-        return None
-    row, kbuf, vbuf = free
-    out = torch.empty(1, 1, heads * d, dtype=qkv.dtype)
-    qn, kn = attn.q_norm, attn.k_norm
-    engine_module().decode_attention_step(
-        qkv.data_ptr(),
-        _DTYPES[qkv.dtype],
-        heads,
-        kv,
-        d,
-        qn.weight.data_ptr(),
-        kn.weight.data_ptr(),
-        qn._hetmoe_eps,
-        kn._hetmoe_eps,
-        qn._hetmoe_mode,
-        kn._hetmoe_mode,
-        *_rotary_and_cache_row(cos, sin, kbuf, vbuf, row),
-        float(attn.scaling),
-        out.data_ptr(),
-    )
-    layer.commit(1)
-    return out
 
 
 def _norm_rope_direct(
@@ -342,7 +288,8 @@ def _norm_rope_direct(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """q_norm, k_norm and the rotary embedding as direct engine calls on the rows of ``qkv``, without
     the modules' per-call checks (the same kernels, so the same values); None where they do not apply."""
-    if not _norm_rope_applies(attn, qkv, d, cos, sin):
+    dtype = qkv.dtype
+    if not (qkv.is_contiguous() and _qk_norms_apply(attn, d, dtype) and _rotary_applies(cos, sin, d, dtype)):
         return None
     q = qkv[..., bounds[0] : bounds[1]].view(1, -1, 1, d)  # [1, heads, 1, d]: one token's rows as they lie
     k = qkv[..., bounds[1] : bounds[2]].view(1, -1, 1, d)
@@ -392,16 +339,13 @@ def _make_attention_block(layer: nn.Module, dtype: torch.dtype, router: Any) -> 
     hidden = group.linear.in_features
     heads, kv = (b[1] - b[0]) // d, (b[2] - b[1]) // d
     norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)
-    widths = (hidden, d, d, hidden)
-    if dtype not in _DTYPES or d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv:
+    if d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv or not _qk_norms_apply(attn, d, dtype):
         return None
     if attn.o_proj.in_features != heads * d or attn.o_proj.out_features != hidden:
         return None
-    for n, width in zip(norms, widths, strict=True):
-        if n.weight.dtype != dtype or n.weight.shape != (width,) or not n.weight.is_contiguous():
+    for n in (layer.input_layernorm, layer.post_attention_layernorm):
+        if n.weight.dtype != dtype or n.weight.shape != (hidden,) or not n.weight.is_contiguous():
             return None
-    if attn.q_norm._hetmoe_mode != 0 or attn.k_norm._hetmoe_mode != 0:  # the modes _norm_rope_applies takes
-        return None
     if router is not None and router.in_features != hidden:
         router = None
     block = engine_module().DecodeAttentionBlock(
@@ -433,9 +377,7 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     block, router, kv_heads = made
     cos, sin = position_embeddings
     d = attn.head_dim
-    if cos.dtype != dtype or sin.dtype != dtype or cos.shape != (1, 1, d) or sin.shape != (1, 1, d):
-        return None
-    if not (cos.is_contiguous() and sin.is_contiguous()):
+    if not _rotary_applies(cos, sin, d, dtype):
         return None
     layer_cache = cache.layers[attn.layer_idx]
     free_row = getattr(layer_cache, "free_row", None)
@@ -449,7 +391,15 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     logits = None if router is None else torch.empty(1, router.out_features, dtype=dtype)
     block.run(
         x.data_ptr(),
-        *_rotary_and_cache_row(cos, sin, kbuf, vbuf, row),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kbuf.data_ptr(),
+        vbuf.data_ptr(),
+        kbuf.stride(1),  # [1, heads, capacity, D]: head and row strides, unit stride along D
+        kbuf.stride(2),
+        vbuf.stride(1),
+        vbuf.stride(2),
+        row,
         x_out.data_ptr(),
         h_out.data_ptr(),
         0 if logits is None else logits.data_ptr(),
@@ -476,20 +426,18 @@ def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embedding
     qkv = group.linear(h)
     b = group.bounds
     cos, sin = position_embeddings
-    out = _attention_step(attn, cache, qkv, b, d, cos, sin)
-    if out is None:
-        v = qkv[..., b[2] : b[3]].view(1, 1, -1, d).transpose(1, 2)
-        direct = _norm_rope_direct(attn, qkv, b, d, cos, sin)
-        if direct is not None:
-            q, k = direct
-        else:
-            q = fused_norm(attn.q_norm, qkv[..., b[0] : b[1]].view(1, 1, -1, d)).transpose(1, 2)
-            k = fused_norm(attn.k_norm, qkv[..., b[1] : b[2]].view(1, 1, -1, d)).transpose(1, 2)
-            q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = cache.update(k, v, attn.layer_idx)
-        out, _ = attention_forward(
-            attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
-        )
-    out = attn.o_proj(out if out.dim() == 3 and out.is_contiguous() else out.reshape(1, 1, -1).contiguous())
+    v = qkv[..., b[2] : b[3]].view(1, 1, -1, d).transpose(1, 2)
+    direct = _norm_rope_direct(attn, qkv, b, d, cos, sin)
+    if direct is not None:
+        q, k = direct
+    else:
+        q = fused_norm(attn.q_norm, qkv[..., b[0] : b[1]].view(1, 1, -1, d)).transpose(1, 2)
+        k = fused_norm(attn.k_norm, qkv[..., b[1] : b[2]].view(1, 1, -1, d)).transpose(1, 2)
+        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    k, v = cache.update(k, v, attn.layer_idx)
+    out, _ = attention_forward(
+        attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
+    )
+    out = attn.o_proj(out.reshape(1, 1, -1).contiguous())
     x = x + out
     return x + layer.mlp(fused_norm(layer.post_attention_layernorm, x))
