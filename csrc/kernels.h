@@ -118,7 +118,7 @@ struct KernelTable {
 // running max and sum per row.
 constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk + Dv) + int64_t(M) * 66; }
 
-// Vector width of the AVX-512 unit's 4-bit integer GEMVs: 512 or 256 (cpu_features.cpp picks it).
+// Vector width of the AVX-512 unit's integer GEMVs (4-bit and natural-order): 512 or 256 (cpu_features.cpp picks it).
 // Read on every call, so a change applies to the next one.
 extern int g_int_vector_bits;
 // Nonzero: the GEMVs prefetch weight rows non-temporally (kernels_common.inc: prefetch_line).

@@ -117,5 +117,5 @@ def isa_report() -> dict[str, Any]:
         "best": mod.best_isa(),
         "selected": mod.selected_isa(),
         "int_vector_bits": mod.int_vector_bits() if mod.selected_isa() != "avx2" else 256,
-        "weight_prefetch": "nta" if mod.prefetch_nta() else "t0",
+        "weight_prefetch": weight_prefetch(),
     }

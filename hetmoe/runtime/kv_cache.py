@@ -74,10 +74,7 @@ class GrowingLayer(DynamicLayer):
         assert self._kbuf is not None and self._vbuf is not None
         self._kbuf[..., self._len : need, :].copy_(key_states)
         self._vbuf[..., self._len : need, :].copy_(value_states)
-        self._len = need
-        self.keys = self._kview = self._kbuf[..., :need, :]
-        self.values = self._vview = self._vbuf[..., :need, :]
-        return self.keys, self.values
+        return self.commit(n)
 
     def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """``(row, key buffer, value buffer)`` when one sequence's next key/value row can be written into
