@@ -41,14 +41,14 @@ inline int act_quant_for(const KernelTable* kt, int method, int K) {
   switch (method) {
     case kInt4:
     case kMXFP4: return kt->act_layout(kActPairs, K);
-    case kInt8:
-    case kQ4K:
-    case kQ5K:
-    case kIQ4XS:
     case kQ4_0:
+    case kIQ4NL:
+    case kIQ4XS: return kt->act_layout(kActQuadsHalves, K);
+    case kQ4K: return kt->act_layout(kActQuadsK, K);
+    case kInt8:
+    case kQ5K:
     case kQ8_0:
-    case kQ6K:
-    case kIQ4NL: return kt->act_layout(kActNatural, K);
+    case kQ6K: return kt->act_layout(kActNatural, K);
     default: return kActNone;
   }
 }
@@ -98,7 +98,7 @@ struct ActBuffers {
   Act act(const float* row, int r) const {
     Act a;
     a.f = row;
-    a.wide = mode == kActQuads || mode == kActNaturalPairs;
+    a.wide = act_is_wide(mode);
     if (mode != kActNone) {
       const size_t nb = K / kActBlock;
       a.q = q.get() + size_t(r) * K;

@@ -51,11 +51,11 @@ struct Proj {
 };
 
 // One activation row as the kernels want it: fp32 values, and for integer kernels int16 codes
-// in blocks of 32 with a scale per block (amax / 32767: the rounding error is ~1e-5 relative, so
+// in blocks of 32 with a scale per block (amax / 32639: the rounding error is ~1e-5 relative, so
 // integer dot products cost no accuracy worth measuring, unlike int8 activations at ~1e-2).
 // kActNatural: each block's codes evens first then odds (k = 0,2,..,30,1,3,..,31), the order a
-// 16-bit lane of weight bytes splits into. kActPairs (4-bit formats): the same codes, at most
-// 32639, stored exactly as two int8 digits (256 * hi + lo) for u8 x s8 dot products, in the
+// 16-bit lane of weight bytes splits into. kActPairs (4-bit formats): the same codes stored
+// exactly as two int8 digits (256 * hi + lo) for u8 x s8 dot products, in the
 // paired-block layout described in kernels_common.inc. `sum` is each block's sum of codes.
 struct Act {
   const float* f = nullptr;
@@ -67,8 +67,24 @@ struct Act {
 
 // The 512-bit GEMVs' layouts, for rows of whole groups of 8 blocks (kernels_common.inc): kActQuads,
 // kActPairs' digits with four blocks per group instead of two; kActNaturalPairs, kActNatural's codes
-// with the evens of two blocks side by side, then their odds.
-enum ActQuant : int { kActNone = 0, kActNatural = 1, kActPairs = 2, kActQuads = 3, kActNaturalPairs = 4 };
+// with the evens of two blocks side by side, then their odds; kActQuadsHalves and kActQuadsK, the
+// digits of four blocks ordered as GGUF's 4-bit blocks hold their nibbles (Q4_0, IQ4_NL, IQ4_XS:
+// a block's k 0-15 then 16-31; Q4_K: blocks b and b + 2, then b + 1 and b + 3, each in k order).
+enum ActQuant : int {
+  kActNone = 0,
+  kActNatural = 1,
+  kActPairs = 2,
+  kActQuads = 3,
+  kActNaturalPairs = 4,
+  kActQuadsHalves = 5,
+  kActQuadsK = 6,
+};
+inline bool act_is_wide(int mode) {
+  return mode == kActQuads || mode == kActNaturalPairs || mode == kActQuadsHalves || mode == kActQuadsK;
+}
+inline bool act_is_digits(int mode) {
+  return mode == kActPairs || mode == kActQuads || mode == kActQuadsHalves || mode == kActQuadsK;
+}
 
 struct KernelTable {
   const char* name;
@@ -85,8 +101,9 @@ struct KernelTable {
                     int ldc);
   // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
   void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
-  // The layout the GEMVs want for activation mode `mode` (kActPairs, kActNatural) and rows of K: the
-  // 512-bit one where they run 512 bits wide (g_int_vector_bits, K a multiple of 256), else `mode`.
+  // The layout a method's GEMV reads at the width it runs for rows of K: kActPairs and kActNatural
+  // become their 512-bit layouts where GEMVs run 512 bits wide (g_int_vector_bits, K a multiple of
+  // 256); the GGUF digit layouts (512-bit only) become kActNatural where they do not.
   int (*act_layout)(int mode, int K);
   // h[i] = silu(g[i]) * u[i]
   void (*silu_mul)(const float* g, const float* u, float* h, int n);

@@ -39,6 +39,10 @@ class MoEJob final : public Job {
     chunks_down_ = (H + rows_down_ - 1) / rows_down_;
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
     x_act_.allocate(T, H, act_quant_for(kt, gate.method, H));
+    // Gate and up in methods whose GEMVs read different layouts (a GGUF file may store them in two
+    // types) each get their own copy of the activations.
+    const int up_mode = act_quant_for(kt, up.method, H);
+    if (up_mode != x_act_.mode) xu_act_.allocate(T, H, up_mode);
     h_ = uninit<float>(size_t(S_) * I);
     h_act_.allocate(S_, I, act_quant_for(kt, down.method, I));
     // A bf16 model's bf16 experts: GEMM-path experts take VDPBF16PS on the bf16 rows, the
@@ -54,7 +58,8 @@ class MoEJob final : public Job {
   Phase next_phase(int index) override {
     switch (index) {
       case 0:  // activations to fp32 (and int8 for integer kernels), one token an item
-        return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare_token(t); }};
+        return {x_dtype_ == kBF16Data || x_act_.mode != kActNone || xu_act_.mode != kActNone ? T_ : 0,
+                [this](int t, int) { prepare_token(t); }};
       case 1:  // gate and up, then SiLU * up, by (expert, block of rows of I)
         return {static_cast<int>(active_.size()) * chunks_up_, [this](int i, int) { gate_up(i); }};
       case 2:  // the intermediate activations quantized for an integer down projection (or to bf16)
@@ -123,6 +128,7 @@ class MoEJob final : public Job {
     if (x_dtype_ == kBF16Data)
       kt_->bf16_to_f32(static_cast<const uint16_t*>(x_) + size_t(t) * H_, xf_.get() + size_t(t) * H_, H_);
     x_act_.quantize(kt_, x_row(t), t);
+    xu_act_.quantize(kt_, x_row(t), t);
   }
 
   // h = act(g + gate_bias, u + up_bias) for `rows` tokens of one expert, columns [n0, n0 + R).
@@ -160,15 +166,17 @@ class MoEJob final : public Job {
     if (a.count <= gemv_max_) {
       for (int t0 = 0; t0 < a.count; t0 += kGemvTokens) {
         const int nt = std::min(kGemvTokens, a.count - t0);
-        Act acts[kGemvTokens];
+        const bool own_up = xu_act_.mode != kActNone;
+        Act acts[kGemvTokens], up_acts[kGemvTokens];
         for (int i = 0; i < nt; ++i) {
           const int tok = slot_token_[a.first_slot + t0 + i];
           acts[i] = x_act_.act(x_row(tok), tok);
+          if (own_up) up_acts[i] = xu_act_.act(x_row(tok), tok);
         }
         float* g = h_.get() + size_t(a.first_slot + t0) * I_ + n0;
         // Gate straight into h (row stride I), up into scratch; then h = silu(h) * up.
         kt_->gemv[gate_.method](gate_, a.expert, n0, n1, acts, nt, g, I_);
-        kt_->gemv[up_.method](up_, a.expert, n0, n1, acts, nt, up_block, ldu);
+        kt_->gemv[up_.method](up_, a.expert, n0, n1, own_up ? up_acts : acts, nt, up_block, ldu);
         activate(a.expert, n0, R, g, I_, up_block, ldu, nt);
       }
       return;
@@ -271,7 +279,7 @@ class MoEJob final : public Job {
   std::unique_ptr<float[]> xf_, h_, ybuf_;
   std::unique_ptr<uint16_t[]> hb_;  // the intermediate in bf16, for bf16_down_
   bool bf16_up_ = false, bf16_down_ = false;
-  ActBuffers x_act_, h_act_;
+  ActBuffers x_act_, xu_act_, h_act_;  // xu_act_: up's layout where it is not gate's
 };
 
 std::mutex g_pool_mu;

@@ -490,6 +490,34 @@ def test_gguf_q4_k_m_layer_mixes_types(isa: str) -> None:
             assert _rel(ce.forward(x, ids, w), moe_forward_reference(x, *deq, ids, w)) < 3e-4
 
 
+@pytest.mark.parametrize(
+    "methods",
+    [("gguf:q8_0", "gguf:q4_0", "gguf:q4_k"), ("int4", "int8", "gguf:iq4_xs"), ("bf16", "gguf:q4_k", "int4")],
+)
+def test_gate_and_up_in_different_methods(methods: tuple[str, str, str]) -> None:
+    """A GGUF file may store gate and up in two types whose GEMVs read the activations in different
+    layouts (Q8_0's int16 codes, Q4_0's digits): each projection must get its own, at either width."""
+    g = torch.Generator().manual_seed(9)
+    e, h, i = 4, 512, 256
+    shapes = ((e, i, h), (e, i, h), (e, h, i))
+    qs = [get_codec(m).quantize(torch.randn(s, generator=g) * 0.05) for m, s in zip(methods, shapes, strict=True)]
+    deq = [get_codec(q.method, **q.params).dequantize(q) for q in qs]
+    widths = (256, 512) if "avx512" in ISAS else (0,)
+    try:
+        for bits in widths:
+            set_int_vector_bits(bits)
+            for gemv_max in (0, 1000):
+                ce = CPUExperts(*qs, gemv_max_tokens=gemv_max)
+                for T in (1, 5):
+                    ids = torch.randint(0, e, (T, 2), generator=g)
+                    x = torch.randn(T, h, generator=g)
+                    w = torch.rand(T, 2, generator=g)
+                    ref = moe_forward_reference(x, *deq, ids, w)
+                    assert _rel(ce.forward(x, ids, w), ref) < 3e-4, (bits, gemv_max, T)
+    finally:
+        set_int_vector_bits(0)
+
+
 def test_idle_pool_takes_no_cpu(weights) -> None:
     """Workers sleep once no job runs: an idle engine must not steal cores from the caller."""
     import resource
