@@ -44,11 +44,11 @@ inline int act_quant_for(const KernelTable* kt, int method, int K) {
     case kQ4_0:
     case kIQ4NL:
     case kIQ4XS: return kt->act_layout(kActQuadsHalves, K);
-    case kQ4K: return kt->act_layout(kActQuadsK, K);
+    case kQ4K:
+    case kQ5K: return kt->act_layout(kActQuadsK, K);
+    case kQ6K: return kt->act_layout(kActQuadsQ6K, K);
     case kInt8:
-    case kQ5K:
-    case kQ8_0:
-    case kQ6K: return kt->act_layout(kActNatural, K);
+    case kQ8_0: return kt->act_layout(kActNatural, K);
     default: return kActNone;
   }
 }
@@ -88,12 +88,12 @@ struct ActBuffers {
     if (mode == kActNone) return;
     q = uninit<int16_t>(size_t(rows) * K);
     d = uninit<float>(size_t(rows) * (K / kActBlock));
-    sum = uninit<int32_t>(size_t(rows) * (K / kActBlock));
+    sum = uninit<int32_t>(size_t(rows) * act_sums(mode, K));
   }
   void quantize(const KernelTable* kt, const float* row, int r) {
     if (mode == kActNone) return;
     const size_t nb = K / kActBlock;
-    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * nb);
+    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * act_sums(mode, K));
   }
   Act act(const float* row, int r) const {
     Act a;
@@ -103,7 +103,7 @@ struct ActBuffers {
       const size_t nb = K / kActBlock;
       a.q = q.get() + size_t(r) * K;
       a.d = d.get() + r * nb;
-      a.sum = sum.get() + r * nb;
+      a.sum = sum.get() + r * act_sums(mode, K);
     }
     return a;
   }

@@ -68,8 +68,10 @@ struct Act {
 // The 512-bit GEMVs' layouts, for rows of whole groups of 8 blocks (kernels_common.inc): kActQuads,
 // kActPairs' digits with four blocks per group instead of two; kActNaturalPairs, kActNatural's codes
 // with the evens of two blocks side by side, then their odds; kActQuadsHalves and kActQuadsK, the
-// digits of four blocks ordered as GGUF's 4-bit blocks hold their nibbles (Q4_0, IQ4_NL, IQ4_XS:
-// a block's k 0-15 then 16-31; Q4_K: blocks b and b + 2, then b + 1 and b + 3, each in k order).
+// digits of four blocks ordered as GGUF's blocks hold their nibbles (Q4_0, IQ4_NL, IQ4_XS: a
+// block's k 0-15 then 16-31; Q4_K, Q5_K: blocks b and b + 2, then b + 1 and b + 3; Q6_K: b and
+// b + 1, then b + 2 and b + 3; each block in k order). kActQuadsQ6K's sums are per 16 codes (Q6_K's
+// scales are), the others' per block.
 enum ActQuant : int {
   kActNone = 0,
   kActNatural = 1,
@@ -78,13 +80,12 @@ enum ActQuant : int {
   kActNaturalPairs = 4,
   kActQuadsHalves = 5,
   kActQuadsK = 6,
+  kActQuadsQ6K = 7,
 };
-inline bool act_is_wide(int mode) {
-  return mode == kActQuads || mode == kActNaturalPairs || mode == kActQuadsHalves || mode == kActQuadsK;
-}
-inline bool act_is_digits(int mode) {
-  return mode == kActPairs || mode == kActQuads || mode == kActQuadsHalves || mode == kActQuadsK;
-}
+inline bool act_is_wide(int mode) { return mode >= kActQuads && mode != kActPairs; }
+inline bool act_is_digits(int mode) { return mode >= kActPairs && mode != kActNaturalPairs; }
+inline bool act_is_gguf_digits(int mode) { return mode >= kActQuadsHalves; }  // 512-bit only
+inline int act_sums(int mode, int K) { return mode == kActQuadsQ6K ? K / 16 : K / kActBlock; }  // per row
 
 struct KernelTable {
   const char* name;
