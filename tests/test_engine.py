@@ -225,8 +225,8 @@ def test_default_gemv_switch_follows_the_vector_width() -> None:
         set_int_vector_bits(512)
         assert default_gemv_max(int4) == default_gemv_max(int8) == GEMV_ALL_TOKENS
         assert default_gemv_max(q5_0) == default_gemv_max(ragged) == GEMV_MAX_INTEGER
-        q6_k = [get_codec("gguf:q6_k").quantize(torch.randn(2, 64, 512, generator=g))]  # its GEMM wins prompts
-        assert default_gemv_max(q6_k) == GEMV_MAX_INTEGER
+        q6_k = [get_codec("gguf:q6_k").quantize(torch.randn(2, 64, 512, generator=g))]
+        assert default_gemv_max(q6_k) == GEMV_ALL_TOKENS
         assert CPULinear(torch.randn(64, 512), method="int4").gemv_max_tokens == GEMV_ALL_TOKENS
         assert CPULinear(torch.randn(64, 512), method="bf16").gemv_max_tokens == 4
         set_int_vector_bits(256)
