@@ -49,6 +49,9 @@ def test_bench_moe_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     for r in recs:
         assert {"impl", "method", "tokens", "threads", "ms", "gb_per_s", "gflop_per_s", "rel_err"} <= r.keys()
         assert r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+        # the read bandwidth sampled beside each row, and the row's fraction of it
+        assert r["read_gb_per_s_now"] > 0.5
+        assert r["bw_fraction_now"] == pytest.approx(r["gb_per_s"] / r["read_gb_per_s_now"], abs=1e-3)
         # bf16 output rounding bounds both implementations' error against the float64 reference
         assert r["rel_err"] < 1e-2, r
 

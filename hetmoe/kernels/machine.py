@@ -25,6 +25,19 @@ def cache_path() -> Path:
     return base / "hetmoe" / "machine.json"
 
 
+SAMPLE_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB last-level cache, and quick to allocate
+
+
+def read_bandwidth_now(threads: int | None = None) -> float:
+    """Read bandwidth (GB/s) measured now, uncached: best of 3 passes over 256 MiB, about 0.1 s.
+
+    Benchmarks sample it beside each measurement: on a shared machine (a VM whose neighbours come
+    and go) the bandwidth moves by tens of percent within an hour, so a fraction of the cached
+    figure says as much about the neighbours as about the kernel."""
+    threads = threads or max(1, cpu_info().usable_cpus)
+    return round(engine_module().measure_read_bandwidth(SAMPLE_BUFFER_BYTES, threads, 3), 2)
+
+
 def measure_machine(threads: int | None = None, refresh: bool = False) -> dict[str, Any]:
     """``{"read_gb_per_s", "fma_gflop_per_s", "threads", "isa", "cpu", "measured_at"}``."""
     mod = engine_module()
