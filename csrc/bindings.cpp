@@ -134,6 +134,16 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 5, "best GB/s streaming a buffer of `bytes`");
   m.def(
+      "measure_read_bandwidth_of",
+      [](int64_t ptr, int64_t bytes, int threads, int repeats) {
+        if (!ptr || bytes < 64 || threads < 1 || repeats < 1)
+          throw py::value_error("measure_read_bandwidth_of: expected a buffer, bytes >= 64, threads and repeats >= 1");
+        py::gil_scoped_release release;
+        return measure_read_bandwidth_of(reinterpret_cast<const uint64_t*>(ptr), bytes, threads, repeats);
+      },
+      py::arg("ptr"), py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 3,
+      "best GB/s streaming the caller's buffer at `ptr` (it must stay alive and hold `bytes`)");
+  m.def(
       "measure_fma_peak",
       [](int threads, double seconds) {
         if (!g_selected) throw py::value_error("select_isa() must be called first");

@@ -65,6 +65,11 @@ double measure_read_bandwidth(int64_t bytes, int threads, int repeats) {
     const size_t lo = n * i / threads, hi = n * (i + 1) / threads;
     for (size_t j = lo; j < hi; ++j) buf[j] = j;
   });
+  return measure_read_bandwidth_of(buf.get(), bytes, threads, repeats);
+}
+
+double measure_read_bandwidth_of(const uint64_t* buf, int64_t bytes, int threads, int repeats) {
+  const size_t n = size_t(bytes) / sizeof(uint64_t);
   std::vector<uint64_t> sums(threads);
   double best = 0;
   for (int r = 0; r < repeats; ++r) {

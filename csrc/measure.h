@@ -9,6 +9,8 @@ namespace hetmoe {
 // Best-of-`repeats` GB/s reading a `bytes` buffer (larger than the last-level cache) with
 // `threads` pinned threads, each streaming its own slice.
 double measure_read_bandwidth(int64_t bytes, int threads, int repeats);
+// The same over a buffer the caller holds (already touched), so repeated samples pay no page faults.
+double measure_read_bandwidth_of(const uint64_t* buf, int64_t bytes, int threads, int repeats);
 
 // GFLOP/s of independent fp32 FMA chains on `threads` threads for about `seconds`.
 double measure_fma_peak(const KernelTable* kernels, int threads, double seconds);

@@ -83,3 +83,13 @@ def test_bench_plot(tmp_path: Path) -> None:
     ]
     assert main(argv) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_read_bandwidth_sample() -> None:
+    """The sample benchmarks take beside each row: a plausible figure, and a bad buffer is refused."""
+    from hetmoe.kernels.dispatch import engine_module
+    from hetmoe.kernels.machine import read_bandwidth_now
+
+    assert 0.5 < read_bandwidth_now(1) < 10_000
+    with pytest.raises(ValueError, match="expected a buffer"):
+        engine_module().measure_read_bandwidth_of(0, 1 << 20, 1, 1)

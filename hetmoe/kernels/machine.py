@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..hw import cpu_info
 from .dispatch import engine_module
 
@@ -25,17 +27,23 @@ def cache_path() -> Path:
     return base / "hetmoe" / "machine.json"
 
 
-SAMPLE_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB last-level cache, and quick to allocate
+SAMPLE_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB last-level cache
+_sample_buffer: torch.Tensor | None = None  # kept for the process: no page faults per sample
 
 
 def read_bandwidth_now(threads: int | None = None) -> float:
-    """Read bandwidth (GB/s) measured now, uncached: best of 3 passes over 256 MiB, about 0.1 s.
+    """Read bandwidth (GB/s) measured now, uncached: best of 3 passes over 256 MiB, ~20 ms.
 
     Benchmarks sample it beside each measurement: on a shared machine (a VM whose neighbours come
-    and go) the bandwidth moves by tens of percent within an hour, so a fraction of the cached
+    and go) the bandwidth moves by tens of percent within seconds, so a fraction of the cached
     figure says as much about the neighbours as about the kernel."""
+    global _sample_buffer
+    if _sample_buffer is None:
+        _sample_buffer = torch.ones(SAMPLE_BUFFER_BYTES // 8, dtype=torch.int64)
     threads = threads or max(1, cpu_info().usable_cpus)
-    return round(engine_module().measure_read_bandwidth(SAMPLE_BUFFER_BYTES, threads, 3), 2)
+    return round(
+        engine_module().measure_read_bandwidth_of(_sample_buffer.data_ptr(), SAMPLE_BUFFER_BYTES, threads, 3), 2
+    )
 
 
 def measure_machine(threads: int | None = None, refresh: bool = False) -> dict[str, Any]:
