@@ -61,18 +61,21 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Rows of a projection one work item covers: whole panels, and ~256 KiB of weights, so that the
-// cost of claiming an item and of the stream's first DRAM misses stays small next to streaming it
-// (decode items are pure streaming). Measured on a Zen 5 (2 threads, Qwen3-30B-A3B layer, 1-token
-// decode from DRAM, in-process A/B): 32 KiB -> 256 KiB took int4 0.779 -> 0.723 ms, int8
-// 1.052 -> 0.975 ms, bf16 1.863 -> 1.809 ms; prefill at 128 and 512 tokens within the noise (+-4%).
-// A decode step still has tens of items (8 experts x a few row blocks) for the threads to share.
-constexpr int kItemBytes = 256 * 1024;
-inline int item_rows(const Proj& p, int n) {
+// Rows of a projection one work item covers: whole panels, up to ~1 MiB of weights, so that the
+// cost of claiming an item and of a stream's first DRAM misses stays small next to streaming it
+// (decode items are pure streaming), in items of equal size, at least `min_items` of them over the
+// n rows where there are panels enough (a pool of many threads still gets work for each).
+// Measured on a Zen 5 (2 threads, Qwen3-30B-A3B layer, 1-token decode from DRAM, in-process A/B):
+// 256 KiB -> 1 MiB took int4 0.48-0.53 -> 0.42-0.50 ms, int8 0.86-1.03 -> 0.83-1.00 ms, bf16
+// 1.23-1.60 -> 1.11-1.59 ms, no further gain at 2 or 4 MiB; prefill at 32-512 tokens level or
+// 1-8% faster. (32 KiB -> 256 KiB had taken int4 0.779 -> 0.723 ms.)
+constexpr int64_t kItemBytes = 1 << 20;
+inline int item_rows(const Proj& p, int n, int min_items) {
   static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625, 5.5, 4.25, 4.5, 8.5, 4.5};
-  const double row_bytes = p.k * kBitsPerWeight[p.method] / 8;
-  const int panels = std::max(1, static_cast<int>(kItemBytes / (row_bytes * kPanelRows)));
-  return std::min(panels * kPanelRows, ((n + kPanelRows - 1) / kPanelRows) * kPanelRows);
+  const double bytes = double(n) * p.k * kBitsPerWeight[p.method] / 8;
+  const int panels = (n + kPanelRows - 1) / kPanelRows;
+  const int items = std::min(panels, std::max(min_items, static_cast<int>((bytes + kItemBytes - 1) / kItemBytes)));
+  return ((panels + items - 1) / items) * kPanelRows;
 }
 
 // Activation rows in the layout a method's GEMV kernel wants.

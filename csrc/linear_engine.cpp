@@ -30,7 +30,7 @@ class LinearJob final : public Job {
         gemv_(T <= gemv_max) {
     N_ = w.n;
     K_ = w.k;
-    rows_ = item_rows(w, N_);
+    rows_ = item_rows(w, N_, 4 * threads);
     row_items_ = (N_ + rows_ - 1) / rows_;
     // Few row items (a small N) leave workers idle: split the tokens as well. Each token chunk
     // dequantizes its panels again, so only as many chunks as the pool needs, and never chunks of

@@ -29,12 +29,15 @@ class MoEJob final : public Job {
  public:
   MoEJob(int E, int H, int I, const Proj& gate, const Proj& up, const Proj& down, const ActConfig& act,
          const KernelTable* kt, int gemv_max, const void* x, int x_dtype, int T, const int64_t* ids, int topk,
-         const float* weights, void* y, const uint8_t* skip)
+         const float* weights, void* y, const uint8_t* skip, int threads)
       : H_(H), I_(I), gate_(gate), up_(up), down_(down), act_(act), kt_(kt), gemv_max_(gemv_max), x_(x),
         x_dtype_(x_dtype), T_(T), topk_(topk), weights_(weights), y_(y) {
     route(E, ids, skip);
-    rows_up_ = item_rows(gate, I);
-    rows_down_ = item_rows(down, H);
+    // Items of each expert enough for four a thread over the phase (a decode step's 8 experts on
+    // 2 threads: one item an expert; on 32 threads, 16).
+    const int per_expert = active_.empty() ? 1 : (4 * threads + int(active_.size()) - 1) / int(active_.size());
+    rows_up_ = item_rows(gate, I, per_expert);
+    rows_down_ = item_rows(down, H, per_expert);
     chunks_up_ = (I + rows_up_ - 1) / rows_up_;
     chunks_down_ = (H + rows_down_ - 1) / rows_down_;
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
@@ -323,10 +326,11 @@ MoEEngine::MoEEngine(int experts, int hidden, int intermediate, const Proj& gate
 
 int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
                           const float* weights, void* y, const uint8_t* skip_mask) {
+  std::shared_ptr<ThreadPool> pool = global_pool();
   auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, x, x_dtype, tokens, ids,
-                                      topk, weights, y, skip_mask);
+                                      topk, weights, y, skip_mask, pool->threads());
   const int64_t handle = jobs_.add(job);
-  global_pool()->submit(std::move(job));
+  pool->submit(std::move(job));
   return handle;
 }
 
