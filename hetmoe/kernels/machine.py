@@ -20,6 +20,11 @@ from ..hw import cpu_info
 from .dispatch import engine_module
 
 BANDWIDTH_BUFFER_BYTES = 1 << 30  # larger than any last-level cache this is likely to meet
+# Passes over it, the best kept: ~1 s at 60 GB/s. On a shared machine the bandwidth a process gets
+# moves by tens of percent within seconds (a VM's neighbours); a handful of passes could all land in
+# a busy moment and understate what the memory system does (three runs a minute apart on a Zen 5
+# VM: 5 passes 43, 54 and 49 GB/s, then 40 passes 42, 57 and 59).
+BANDWIDTH_PASSES = 40
 
 
 def cache_path() -> Path:
@@ -62,7 +67,7 @@ def measure_machine(threads: int | None = None, refresh: bool = False) -> dict[s
     if not refresh and key in cache:
         return cache[key]
     record = {
-        "read_gb_per_s": round(mod.measure_read_bandwidth(BANDWIDTH_BUFFER_BYTES, threads, 5), 2),
+        "read_gb_per_s": round(mod.measure_read_bandwidth(BANDWIDTH_BUFFER_BYTES, threads, BANDWIDTH_PASSES), 2),
         "fma_gflop_per_s": round(mod.measure_fma_peak(threads, 0.5), 1),
         "threads": threads,
         "isa": mod.selected_isa(),
