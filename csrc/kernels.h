@@ -67,8 +67,8 @@ struct Act {
 
 // The 512-bit GEMVs' layouts, for rows of whole groups of 8 blocks (kernels_common.inc): kActQuads,
 // kActPairs' digits with four blocks per group instead of two; kActNaturalPairs, kActNatural's codes
-// with the evens of two blocks side by side, then their odds; kActQuadsHalves and kActQuadsK, the
-// digits of four blocks ordered as GGUF's blocks hold their nibbles (Q4_0, IQ4_NL, IQ4_XS: a
+// with the evens of two blocks side by side, then their odds; kActQuadsHalves, kActQuadsK and
+// kActQuadsQ6K, the digits of four blocks ordered as GGUF's blocks hold their nibbles (Q4_0, IQ4_NL, IQ4_XS: a
 // block's k 0-15 then 16-31; Q4_K, Q5_K: blocks b and b + 2, then b + 1 and b + 3; Q6_K: b and
 // b + 1, then b + 2 and b + 3; each block in k order). kActQuadsQ6K's sums are per 16 codes (Q6_K's
 // scales are), the others' per block.
@@ -82,9 +82,9 @@ enum ActQuant : int {
   kActQuadsK = 6,
   kActQuadsQ6K = 7,
 };
-inline bool act_is_wide(int mode) { return mode >= kActQuads && mode != kActPairs; }
-inline bool act_is_digits(int mode) { return mode >= kActPairs && mode != kActNaturalPairs; }
 inline bool act_is_gguf_digits(int mode) { return mode >= kActQuadsHalves; }  // 512-bit only
+inline bool act_is_wide(int mode) { return mode == kActQuads || mode == kActNaturalPairs || act_is_gguf_digits(mode); }
+inline bool act_is_digits(int mode) { return mode == kActPairs || mode == kActQuads || act_is_gguf_digits(mode); }
 inline int act_sums(int mode, int K) { return mode == kActQuadsQ6K ? K / 16 : K / kActBlock; }  // per row
 
 struct KernelTable {
