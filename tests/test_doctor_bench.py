@@ -43,6 +43,9 @@ def test_bench_moe_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     result = json.loads(out.read_text())
     assert {"read_gb_per_s", "fma_gflop_per_s"} <= result["machine"].keys()
     recs = result["records"]
+    now = result["read_now_gb_per_s"]
+    assert now["samples"] == 2 * len(recs) and now["min"] <= now["median"] <= now["max"]
+    assert f"this run's {now['samples']} samples" in table
     assert {(r["impl"], r["method"], r["tokens"]) for r in recs} == {
         (i, m, t) for i in ("hetmoe", "torch") for m in ("bf16", "int8", "int4") for t in (1, 9)
     }

@@ -89,6 +89,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     )
     flush = CacheFlush(2 * last_level_cache_bytes())
     records = []
+    samples: list[float] = []  # every read-bandwidth sample of the run
     h, i, k = shape.hidden, shape.intermediate, shape.top_k
     for method in cfg.methods:
         layer = (
@@ -118,13 +119,14 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 torch_threads = torch.get_num_threads()
                 if name == "hetmoe":
                     torch.set_num_threads(1)
-                read_before = read_bandwidth_now(cfg.threads or None)
+                samples.append(read_bandwidth_now(cfg.threads or None))
                 try:
                     times = _time(impl.forward, draw, _reps(tokens), cfg.min_seconds, flush)
                 finally:
                     torch.set_num_threads(torch_threads)
                 # the better of the samples either side: the harder bar where the machine drifted
-                read_now = max(read_before, read_bandwidth_now(cfg.threads or None))
+                samples.append(read_bandwidth_now(cfg.threads or None))
+                read_now = max(samples[-2:])
                 ms = statistics.median(times) * 1e3
                 active = statistics.median(routings)
                 ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
@@ -156,6 +158,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         "experts": experts,
         "group_size": cfg.group_size,
         "machine": machine,
+        "read_now_gb_per_s": {
+            "min": min(samples, default=0.0),
+            "median": statistics.median(samples) if samples else 0.0,
+            "max": max(samples, default=0.0),
+            "samples": len(samples),
+        },
         "records": records,
     }
 
@@ -174,6 +182,15 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
+def _samples_line(read_now: dict[str, Any] | None) -> str:
+    if not read_now or not read_now["samples"]:
+        return ""
+    return (
+        f"; this run's {read_now['samples']} samples: {read_now['min']:.1f}-{read_now['max']:.1f} GB/s, "
+        f"median {read_now['median']:.1f}"
+    )
+
+
 def format_table(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -181,7 +198,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['shape']['intermediate']}, {result['experts']} experts, top-{result['shape']['top_k']}); "
         f"roofline: {m['read_gb_per_s']} GB/s read, {m['fma_gflop_per_s']} GFLOP/s fp32 FMA, {m['threads']} threads",
         "%BW: of the doctor's (cached) read bandwidth; read now, %now: the bandwidth measured beside each row "
-        "(the better of a sample before and after it), and the row's fraction of it",
+        "(the better of a sample before and after it), and the row's fraction of it"
+        + _samples_line(result.get("read_now_gb_per_s")),
         HEADER,
     ]
     lines += [format_row(r) for r in result["records"]]
