@@ -144,6 +144,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ptr"), py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 3,
       "best GB/s streaming the caller's buffer at `ptr` (it must stay alive and hold `bytes`)");
   m.def(
+      "measure_chunked_read",
+      [](int64_t ptr, int64_t bytes, int64_t chunk, int64_t total, int reps, uint64_t seed) {
+        if (!ptr || chunk < 64 || chunk % 64 || bytes < chunk || total < chunk || reps < 1)
+          throw py::value_error(
+              "measure_chunked_read: expected a buffer of bytes >= chunk, chunk a multiple of 64, total >= chunk, "
+              "reps >= 1");
+        py::gil_scoped_release release;
+        return measure_chunked_read(reinterpret_cast<const uint8_t*>(ptr), bytes, chunk, total, reps, seed);
+      },
+      py::arg("ptr"), py::arg("bytes"), py::arg("chunk"), py::arg("total"), py::arg("reps") = 20,
+      py::arg("seed") = 0, "median GB/s reading `total` bytes in random `chunk` pieces of the buffer on the pool");
+  m.def(
       "measure_fma_peak",
       [](int threads, double seconds) {
         if (!g_selected) throw py::value_error("select_isa() must be called first");

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hetmoe.cli.doctor import estimate
 from hetmoe.cli.main import main
@@ -55,6 +56,10 @@ def test_bench_moe_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         # the read bandwidth sampled beside each row, and the row's fraction of it
         assert r["read_gb_per_s_now"] > 0.5
         assert r["bw_fraction_now"] == pytest.approx(r["gb_per_s"] / r["read_gb_per_s_now"], abs=1e-3)
+        # decode rows of the engine also time a plain read of their bytes, interleaved
+        assert ("plain_read_fraction" in r) == (r["impl"] == "hetmoe" and r["tokens"] == 1), r
+        if "plain_read_fraction" in r:
+            assert r["plain_read_gb_per_s"] > 0.5
         # bf16 output rounding bounds both implementations' error against the float64 reference
         assert r["rel_err"] < 1e-2, r
 
@@ -96,3 +101,18 @@ def test_read_bandwidth_sample() -> None:
     assert 0.5 < read_bandwidth_now(1) < 10_000
     with pytest.raises(ValueError, match="expected a buffer"):
         engine_module().measure_read_bandwidth_of(0, 1 << 20, 1, 1)
+
+
+def test_plain_read_of_a_decode_step() -> None:
+    """The plain read a decode row is held against: a plausible rate, and bad arguments refused."""
+    from hetmoe.kernels.dispatch import engine_module
+    from hetmoe.kernels.machine import plain_read_gb_per_s
+
+    assert 0.5 < plain_read_gb_per_s(4 << 20, reps=3) < 10_000
+    buf = torch.ones(1 << 18, dtype=torch.int64)  # 2 MiB
+    mod = engine_module()
+    assert mod.measure_chunked_read(buf.data_ptr(), buf.numel() * 8, 1 << 20, 1 << 20, 2) > 0
+    for bad in ((0, 2 << 20, 1 << 20, 1 << 20), (buf.data_ptr(), 2 << 20, 100, 1 << 20),
+                (buf.data_ptr(), 1 << 19, 1 << 20, 1 << 20)):  # fmt: skip
+        with pytest.raises(ValueError, match="measure_chunked_read"):
+            mod.measure_chunked_read(*bad, 1)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..kernels import moe_forward_reference, select_isa, set_num_threads
-from ..kernels.machine import measure_machine, read_bandwidth_now
+from ..kernels.machine import measure_machine, plain_read_gb_per_s, read_bandwidth_now
 from ..models.shapes import MoEShape, get_shape
 from ..runtime import CPUExperts
 from .baseline import TorchExperts
@@ -26,6 +26,7 @@ from .cache_flush import CacheFlush, last_level_cache_bytes
 from .layers import dequantize_expert, random_projection
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512)
+DECODE_TOKENS = 8  # rows up to this many tokens also time a plain read of their expert bytes
 
 
 @dataclass
@@ -47,11 +48,16 @@ def _reps(tokens: int) -> int:
     return 30 if tokens <= 8 else 10 if tokens <= 64 else 5
 
 
-def _time(fn, prepare, reps: int, min_seconds: float, flush: CacheFlush) -> list[float]:
+def _time(
+    fn, prepare, reps: int, min_seconds: float, flush: CacheFlush, plain_bytes: float = 0
+) -> tuple[list[float], list[float]]:
     """Times ``fn(*prepare())``; only ``fn`` is inside the clock (routing is drawn and the caches
-    evicted outside it: in a model, the other layers' weights pass through the cache in between)."""
+    evicted outside it: in a model, the other layers' weights pass through the cache in between).
+    With ``plain_bytes``, each repetition is followed by a plain read of that many bytes in random
+    1 MiB chunks (its GB/s in the second list): interleaved, both see the machine in the same state."""
     fn(*prepare())  # warm-up: page in, allocate, spin up the pool
     times: list[float] = []
+    plain: list[float] = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < min_seconds and len(times) < 10 * reps):
         args = prepare()
@@ -59,7 +65,10 @@ def _time(fn, prepare, reps: int, min_seconds: float, flush: CacheFlush) -> list
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
-    return times
+        if plain_bytes:
+            flush()
+            plain.append(plain_read_gb_per_s(plain_bytes, reps=1, seed=len(times)))
+    return times, plain
 
 
 def _rel_err(
@@ -116,19 +125,27 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 # torch's own OpenMP threads spin after each parallel region and would steal the
                 # cores from the engine's workers; the engine runs with torch at one thread (as
                 # hetmoe's runtime does around CPU-expert work), the torch baseline with its default.
+                # The machine's own measurements run with torch at one thread as well.
                 torch_threads = torch.get_num_threads()
-                if name == "hetmoe":
-                    torch.set_num_threads(1)
-                samples.append(read_bandwidth_now(cfg.threads or None))
+                torch.set_num_threads(1)
                 try:
-                    times = _time(impl.forward, draw, _reps(tokens), cfg.min_seconds, flush)
+                    samples.append(read_bandwidth_now(cfg.threads or None))
+                    torch.set_num_threads(1 if name == "hetmoe" else torch_threads)
+                    # decode rows: as many expert bytes as the step touches (top-k of each token,
+                    # nearly all distinct) read plainly between the repetitions
+                    plain_bytes = min(experts, tokens * k) * bytes_per_expert
+                    decode = name == "hetmoe" and tokens <= DECODE_TOKENS
+                    times, plains = _time(
+                        impl.forward, draw, _reps(tokens), cfg.min_seconds, flush, plain_bytes if decode else 0
+                    )
+                    torch.set_num_threads(1)
+                    # the better of the samples either side: the harder bar where the machine drifted
+                    samples.append(read_bandwidth_now(cfg.threads or None))
                 finally:
                     torch.set_num_threads(torch_threads)
-                # the better of the samples either side: the harder bar where the machine drifted
-                samples.append(read_bandwidth_now(cfg.threads or None))
                 read_now = max(samples[-2:])
-                ms = statistics.median(times) * 1e3
                 active = statistics.median(routings)
+                ms = statistics.median(times) * 1e3
                 ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
                 w = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
                 rel = _rel_err(shape, experts, layer, x, ids, w, impl.forward(x, ids, w))
@@ -150,6 +167,11 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 rec["bw_fraction"] = round(rec["gb_per_s"] / machine["read_gb_per_s"], 3)
                 rec["read_gb_per_s_now"] = read_now
                 rec["bw_fraction_now"] = round(rec["gb_per_s"] / read_now, 3)
+                if plains:
+                    # the read's bytes are the step's rounded down to whole chunks: compare rates
+                    plain = round(statistics.median(plains), 2)
+                    rec["plain_read_gb_per_s"] = plain
+                    rec["plain_read_fraction"] = round(rec["gb_per_s"] / plain, 3)
                 rec["peak_fraction"] = round(rec["gflop_per_s"] / machine["fma_gflop_per_s"], 3)
                 records.append(rec)
                 log(format_row(rec))
@@ -170,15 +192,17 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
 
 HEADER = (
     f"{'impl':7s} {'method':6s} {'tokens':>6s} {'ms':>9s} {'min':>9s} {'max':>9s} {'GB/s':>7s} {'%BW':>5s} "
-    f"{'read now':>8s} {'%now':>5s} {'GFLOP/s':>8s} {'%peak':>6s} {'rel_err':>8s}"
+    f"{'read now':>8s} {'%now':>5s} {'%read':>5s} {'GFLOP/s':>8s} {'%peak':>6s} {'rel_err':>8s}"
 )
 
 
 def format_row(r: dict[str, Any]) -> str:
+    plain = f"{r['plain_read_fraction'] * 100:.0f}" if "plain_read_fraction" in r else ""
     return (
         f"{r['impl']:7s} {r['method']:6s} {r['tokens']:6d} {r['ms']:9.3f} {r['ms_min']:9.3f} {r['ms_max']:9.3f} "
         f"{r['gb_per_s']:7.2f} {r['bw_fraction'] * 100:5.0f} {r['read_gb_per_s_now']:8.1f} "
-        f"{r['bw_fraction_now'] * 100:5.0f} {r['gflop_per_s']:8.1f} {r['peak_fraction'] * 100:6.0f} {r['rel_err']:8.1e}"
+        f"{r['bw_fraction_now'] * 100:5.0f} {plain:>5s} {r['gflop_per_s']:8.1f} {r['peak_fraction'] * 100:6.0f} "
+        f"{r['rel_err']:8.1e}"
     )
 
 
@@ -198,7 +222,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['shape']['intermediate']}, {result['experts']} experts, top-{result['shape']['top_k']}); "
         f"roofline: {m['read_gb_per_s']} GB/s read, {m['fma_gflop_per_s']} GFLOP/s fp32 FMA, {m['threads']} threads",
         "%BW: of the doctor's (cached) read bandwidth; read now, %now: the bandwidth measured beside each row "
-        "(the better of a sample before and after it), and the row's fraction of it"
+        "(the better of a sample before and after it), and the row's fraction of it; %read (decode rows): of a plain "
+        "read of as many bytes in random 1 MiB chunks on the engine's threads, timed beside the row"
         + _samples_line(result.get("read_now_gb_per_s")),
         HEADER,
     ]

@@ -51,6 +51,26 @@ def read_bandwidth_now(threads: int | None = None) -> float:
     )
 
 
+PLAIN_READ_BUFFER_BYTES = 1 << 30  # random chunks of it miss a 32 MiB cache ~97% of the time
+PLAIN_READ_CHUNK = 1 << 20  # the engine's work items cover up to ~1 MiB of weights
+_plain_read_buffer: torch.Tensor | None = None
+
+
+def plain_read_gb_per_s(total_bytes: int, reps: int = 20, seed: int = 0) -> float:
+    """Median GB/s of reading ``total_bytes`` in random 1 MiB chunks of a 1 GiB buffer on the
+    engine's pool, with its prefetching and no arithmetic: the ceiling of a decode step that
+    streams that many bytes of experts (unlike the doctor's long sequential streams, every chunk
+    starts a stream cold, as every expert does)."""
+    global _plain_read_buffer
+    if _plain_read_buffer is None:
+        _plain_read_buffer = torch.ones(PLAIN_READ_BUFFER_BYTES // 8, dtype=torch.int64)
+    total = max(PLAIN_READ_CHUNK, int(total_bytes) // PLAIN_READ_CHUNK * PLAIN_READ_CHUNK)
+    gbps = engine_module().measure_chunked_read(
+        _plain_read_buffer.data_ptr(), PLAIN_READ_BUFFER_BYTES, PLAIN_READ_CHUNK, total, reps, seed
+    )
+    return round(gbps, 2)
+
+
 def measure_machine(threads: int | None = None, refresh: bool = False) -> dict[str, Any]:
     """``{"read_gb_per_s", "fma_gflop_per_s", "threads", "isa", "cpu", "measured_at"}``."""
     mod = engine_module()
