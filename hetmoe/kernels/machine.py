@@ -32,41 +32,38 @@ def cache_path() -> Path:
     return base / "hetmoe" / "machine.json"
 
 
-SAMPLE_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB last-level cache
-_sample_buffer: torch.Tensor | None = None  # kept for the process: no page faults per sample
+SAMPLE_BYTES = 256 << 20  # what read_bandwidth_now streams: 8x a 32 MiB last-level cache
+PLAIN_READ_CHUNK = 1 << 20  # the engine's work items cover up to ~1 MiB of weights
+_buffer: torch.Tensor | None = None  # 1 GiB kept for the process: no page faults per sample
+
+
+def _sample_buffer() -> torch.Tensor:
+    global _buffer
+    if _buffer is None:
+        _buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 8, dtype=torch.int64)
+    return _buffer
 
 
 def read_bandwidth_now(threads: int | None = None) -> float:
-    """Read bandwidth (GB/s) measured now, uncached: best of 3 passes over 256 MiB, ~20 ms.
+    """Read bandwidth (GB/s) measured now, uncached: best of 3 passes over 256 MiB, ~30 ms.
 
     Benchmarks sample it beside each measurement: on a shared machine (a VM whose neighbours come
     and go) the bandwidth moves by tens of percent within seconds, so a fraction of the cached
     figure says as much about the neighbours as about the kernel."""
-    global _sample_buffer
-    if _sample_buffer is None:
-        _sample_buffer = torch.ones(SAMPLE_BUFFER_BYTES // 8, dtype=torch.int64)
     threads = threads or max(1, cpu_info().usable_cpus)
-    return round(
-        engine_module().measure_read_bandwidth_of(_sample_buffer.data_ptr(), SAMPLE_BUFFER_BYTES, threads, 3), 2
-    )
-
-
-PLAIN_READ_BUFFER_BYTES = 1 << 30  # random chunks of it miss a 32 MiB cache ~97% of the time
-PLAIN_READ_CHUNK = 1 << 20  # the engine's work items cover up to ~1 MiB of weights
-_plain_read_buffer: torch.Tensor | None = None
+    buf = _sample_buffer()
+    return round(engine_module().measure_read_bandwidth_of(buf.data_ptr(), SAMPLE_BYTES, threads, 3), 2)
 
 
 def plain_read_gb_per_s(total_bytes: int, reps: int = 20, seed: int = 0) -> float:
-    """Median GB/s of reading ``total_bytes`` in random 1 MiB chunks of a 1 GiB buffer on the
-    engine's pool, with its prefetching and no arithmetic: the ceiling of a decode step that
-    streams that many bytes of experts (unlike the doctor's long sequential streams, every chunk
-    starts a stream cold, as every expert does)."""
-    global _plain_read_buffer
-    if _plain_read_buffer is None:
-        _plain_read_buffer = torch.ones(PLAIN_READ_BUFFER_BYTES // 8, dtype=torch.int64)
+    """Median GB/s of reading ``total_bytes`` in random 1 MiB chunks of a 1 GiB buffer (they miss a
+    32 MiB cache ~97% of the time) on the engine's pool, with its prefetching and no arithmetic: the
+    ceiling of a decode step that streams that many bytes of experts (unlike the doctor's long
+    sequential streams, every chunk starts a stream cold, as every expert does)."""
     total = max(PLAIN_READ_CHUNK, int(total_bytes) // PLAIN_READ_CHUNK * PLAIN_READ_CHUNK)
+    buf = _sample_buffer()
     gbps = engine_module().measure_chunked_read(
-        _plain_read_buffer.data_ptr(), PLAIN_READ_BUFFER_BYTES, PLAIN_READ_CHUNK, total, reps, seed
+        buf.data_ptr(), BANDWIDTH_BUFFER_BYTES, PLAIN_READ_CHUNK, total, reps, seed
     )
     return round(gbps, 2)
 
