@@ -1,11 +1,6 @@
 #include "measure.h"
 
 #include <immintrin.h>
-#include <random>
-
-#include "moe_engine.h"
-#include "thread_pool.h"
-
 #include <pthread.h>
 #include <sched.h>
 
@@ -15,8 +10,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <thread>
 #include <vector>
+
+#include "moe_engine.h"
+#include "thread_pool.h"
 
 namespace hetmoe {
 namespace {
