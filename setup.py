@@ -20,6 +20,8 @@ SOURCES = [
     "measure.cpp",
     "norms.cpp",
     "decode_step.cpp",
+    "numa.cpp",
+    "expert_split.cpp",
 ]
 ISA_SOURCES = {
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
@@ -72,7 +74,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
                 "-Wno-maybe-uninitialized",
                 "-Wno-uninitialized",
             ],
-            extra_link_args=["-pthread"],
+            extra_link_args=["-pthread", "-ldl"],  # -ldl: libnuma is loaded at run time
         )
     )
 

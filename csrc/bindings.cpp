@@ -17,6 +17,7 @@
 #include "measure.h"
 #include "moe_engine.h"
 #include "norms.h"
+#include "numa.h"
 
 namespace py = pybind11;
 using namespace hetmoe;
@@ -165,6 +166,23 @@ PYBIND11_MODULE(_C, m) {
       py::arg("threads"), py::arg("seconds") = 0.5, "GFLOP/s of fp32 FMA with the selected variant");
   m.def("set_num_threads", &set_pool_threads, py::arg("threads"));
   m.def("num_threads", &pool_threads);
+  m.def("set_numa", &set_pool_numa, py::arg("spec"),
+        "how the next pool splits into NUMA nodes: 'auto', 'off', a node count, or '' (HETMOE_NUMA)");
+  m.def(
+      "numa_info",
+      [] {
+        const NumaTopology& t = global_pool()->topology();
+        py::dict d;
+        d["source"] = t.source;
+        d["node_cpus"] = t.node_cpus;
+        d["memory_nodes"] = t.memory_node;
+        d["libnuma"] = libnuma_loaded();
+        return d;
+      },
+      "the pool's NUMA groups: their CPUs, the libnuma node each one's memory goes to, and where they came from");
+  m.def(
+      "page_node", [](uintptr_t addr) { return page_node(reinterpret_cast<const void*>(addr)); }, py::arg("addr"),
+      "the NUMA node holding the page at addr (-1 where the kernel does not say)");
   m.def("set_idle_spin_us", &ThreadPool::set_idle_spin_us, py::arg("us"));
   m.def(
       "rms_norm",
@@ -320,8 +338,9 @@ PYBIND11_MODULE(_C, m) {
              act.gate_bias = reinterpret_cast<const float*>(gate_bias);
              act.up_bias = reinterpret_cast<const float*>(up_bias);
              act.down_bias = reinterpret_cast<const float*>(down_bias);
-             return new MoEEngine(experts, hidden, intermediate, proj_from(gate), proj_from(up), proj_from(down), act,
-                                  g_selected, gemv_max_tokens);
+             const Proj g = proj_from(gate), u = proj_from(up), d = proj_from(down);
+             py::gil_scoped_release release;  // on a NUMA pool each node's rows are moved to it here
+             return new MoEEngine(experts, hidden, intermediate, g, u, d, act, g_selected, gemv_max_tokens);
            }),
            py::arg("experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"), py::arg("up"),
            py::arg("down"), py::arg("gemv_max_tokens") = 4, py::arg("activation") = 0, py::arg("alpha") = 1.702f,
@@ -359,7 +378,22 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("handle"))
       .def_property_readonly("pending", &MoEEngine::pending)
-      .def_property_readonly("isa", [](const MoEEngine& e) { return std::string(e.kernels()->name); });
+      .def_property_readonly("isa", [](const MoEEngine& e) { return std::string(e.kernels()->name); })
+      .def_property_readonly(
+          "split",
+          [](const MoEEngine& e) {
+            py::list out;
+            for (const NodeRows& r : e.split()) {
+              py::dict d;
+              d["up_rows"] = py::make_tuple(r.up0, r.up1);
+              d["down_rows"] = py::make_tuple(r.down0, r.down1);
+              d["memory_node"] = r.memory_node;
+              out.append(d);
+            }
+            return out;
+          },
+          "the rows of every expert each NUMA node owns: gate's and up's (of the intermediate dimension), down's "
+          "(of the hidden dimension), and the node their pages were moved to (-1: not moved)");
 
   py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
       .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,

@@ -28,18 +28,22 @@ thread_local Scratch tl_scratch;
 class MoEJob final : public Job {
  public:
   MoEJob(int E, int H, int I, const Proj& gate, const Proj& up, const Proj& down, const ActConfig& act,
-         const KernelTable* kt, int gemv_max, const void* x, int x_dtype, int T, const int64_t* ids, int topk,
-         const float* weights, void* y, const uint8_t* skip, int threads)
+         const KernelTable* kt, int gemv_max, const std::vector<NodeRows>& split, const void* x, int x_dtype, int T,
+         const int64_t* ids, int topk, const float* weights, void* y, const uint8_t* skip, int threads)
       : H_(H), I_(I), gate_(gate), up_(up), down_(down), act_(act), kt_(kt), gemv_max_(gemv_max), x_(x),
         x_dtype_(x_dtype), T_(T), topk_(topk), weights_(weights), y_(y) {
     route(E, ids, skip);
-    // Items of each expert enough for four a thread over the phase (a decode step's 8 experts on
-    // 2 threads: one item an expert; on 32 threads, 16).
-    const int per_expert = active_.empty() ? 1 : (4 * threads + int(active_.size()) - 1) / int(active_.size());
-    rows_up_ = item_rows(gate, I, per_expert);
-    rows_down_ = item_rows(down, H, per_expert);
-    chunks_up_ = (I + rows_up_ - 1) / rows_up_;
-    chunks_down_ = (H + rows_down_ - 1) / rows_down_;
+    // Items of each expert enough for four a thread (of a node) over the phase (a decode step's 8
+    // experts on 2 threads: one item an expert; on 32 threads, 16).
+    const int nodes = static_cast<int>(split.size());
+    const int A = static_cast<int>(active_.size());
+    const int per_expert = A == 0 ? 1 : (4 * std::max(1, threads / nodes) + A - 1) / A;
+    for (const NodeRows& r : split) {
+      const int up_first = up_items_.empty() ? 0 : up_items_.back().end(A);
+      const int down_first = down_items_.empty() ? 0 : down_items_.back().end(A);
+      up_items_.push_back(node_items(gate, r.up0, r.up1, per_expert, up_first));
+      down_items_.push_back(node_items(down, r.down0, r.down1, per_expert, down_first));
+    }
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
     x_act_.allocate(T, H, act_quant_for(kt, gate.method, H));
     // Gate and up in methods whose GEMVs read different layouts (a GGUF file may store them in two
@@ -63,12 +67,12 @@ class MoEJob final : public Job {
       case 0:  // activations to fp32 (and int8 for integer kernels), one token an item
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone || xu_act_.mode != kActNone ? T_ : 0,
                 [this](int t, int) { prepare_token(t); }};
-      case 1:  // gate and up, then SiLU * up, by (expert, block of rows of I)
-        return {static_cast<int>(active_.size()) * chunks_up_, [this](int i, int) { gate_up(i); }};
+      case 1:  // gate and up, then SiLU * up, by (node, expert, block of rows of I)
+        return node_phase(up_items_, [this](int i, int) { gate_up(i); });
       case 2:  // the intermediate activations quantized for an integer down projection (or to bf16)
         return {h_act_.mode != kActNone || bf16_down_ ? S_ : 0, [this](int s, int) { prepare_h(s); }};
-      case 3:  // down, by (expert, block of rows of H)
-        return {static_cast<int>(active_.size()) * chunks_down_, [this](int i, int) { down(i); }};
+      case 3:  // down, by (node, expert, block of rows of H)
+        return node_phase(down_items_, [this](int i, int) { down(i); });
       case 4:  // weighted sum of each token's expert outputs
         return {T_, [this](int t, int) { combine(t); }};
       default:
@@ -80,6 +84,43 @@ class MoEJob final : public Job {
   struct ActiveExpert {
     int expert, first_slot, count;
   };
+
+  // One node's items of a phase: its rows [r0, r1) of every active expert, in blocks of `rows`;
+  // items [first, end) of the phase.
+  struct NodeItems {
+    int r0, r1, rows, chunks, first;
+    int end(int active) const { return first + active * chunks; }
+  };
+
+  static NodeItems node_items(const Proj& p, int r0, int r1, int per_expert, int first) {
+    const int rows = item_rows(p, std::max(1, r1 - r0), per_expert);
+    return {r0, r1, rows, (r1 - r0 + rows - 1) / rows, first};
+  }
+
+  // A phase over the nodes' items, tagged with their node where there are several (each node's
+  // threads take its items first: its rows' pages are on that node).
+  Phase node_phase(const std::vector<NodeItems>& nodes, std::function<void(int, int)> run) const {
+    const int A = static_cast<int>(active_.size());
+    const int parts = static_cast<int>(nodes.size());
+    Phase p{nodes.back().end(A), std::move(run)};
+    if (parts > 1) {
+      p.shards = parts;
+      for (int j = 0; j < parts; ++j) p.shard_first[j] = nodes[j].first;
+      p.shard_first[parts] = p.items;
+    }
+    return p;
+  }
+
+  // The expert and rows [first, last) of a phase's item.
+  void item_range(const std::vector<NodeItems>& nodes, int item, const ActiveExpert*& a, int& first, int& last) const {
+    int j = static_cast<int>(nodes.size()) - 1;
+    while (j > 0 && item < nodes[j].first) --j;
+    const NodeItems& n = nodes[j];
+    item -= n.first;
+    a = &active_[item / n.chunks];
+    first = n.r0 + (item % n.chunks) * n.rows;
+    last = std::min(n.r1, first + n.rows);
+  }
 
   // Slots are (token, k) pairs that run here, sorted by expert so each expert's tokens are
   // contiguous; busiest experts first so the tail of a phase is short.
@@ -153,8 +194,10 @@ class MoEJob final : public Job {
   }
 
   void gate_up(int item) {
-    const ActiveExpert& a = active_[item / chunks_up_];
-    const int first = (item % chunks_up_) * rows_up_, last = std::min(I_, first + rows_up_);
+    const ActiveExpert* expert;
+    int first, last;
+    item_range(up_items_, item, expert, first, last);
+    const ActiveExpert& a = *expert;
     // Up to kGemvTokens tokens (decode) read each row once: the item's gate rows, then its up rows, as
     // two long streams (Zen 5, 1-token int4 decode from DRAM: 0.672 -> 0.620 ms, in-process A/B; int8
     // level). More tokens go a panel at a time, so a panel's rows stay in cache for the token groups.
@@ -205,8 +248,10 @@ class MoEJob final : public Job {
   }
 
   void down(int item) {
-    const ActiveExpert& a = active_[item / chunks_down_];
-    const int first = (item % chunks_down_) * rows_down_, last = std::min(H_, first + rows_down_);
+    const ActiveExpert* expert;
+    int first, last;
+    item_range(down_items_, item, expert, first, last);
+    const ActiveExpert& a = *expert;
     for (int n0 = first; n0 < last; n0 += kPanelRows) down_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 
@@ -278,7 +323,8 @@ class MoEJob final : public Job {
 
   std::vector<ActiveExpert> active_;
   std::vector<int> slot_token_, slot_of_;
-  int S_ = 0, chunks_up_ = 0, chunks_down_ = 0, rows_up_ = kPanelRows, rows_down_ = kPanelRows;
+  int S_ = 0;
+  std::vector<NodeItems> up_items_, down_items_;  // phase 1's and phase 3's items, by node
   std::unique_ptr<float[]> xf_, h_, ybuf_;
   std::unique_ptr<uint16_t[]> hb_;  // the intermediate in bf16, for bf16_down_
   bool bf16_up_ = false, bf16_down_ = false;
@@ -288,12 +334,14 @@ class MoEJob final : public Job {
 std::mutex g_pool_mu;
 std::shared_ptr<ThreadPool> g_pool;
 int g_pool_threads = 0;
+std::string g_numa_spec;  // "": HETMOE_NUMA
 
 }  // namespace
 
 std::shared_ptr<ThreadPool> global_pool() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   if (!g_pool) {
+    NumaTopology topology = numa_topology(g_numa_spec);  // throws on a bad HETMOE_NUMA
     int n = g_pool_threads;
     if (n <= 0) {
       cpu_set_t set;
@@ -301,7 +349,7 @@ std::shared_ptr<ThreadPool> global_pool() {
       n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : int(std::thread::hardware_concurrency());
       if (n <= 0) n = 1;
     }
-    g_pool = std::make_shared<ThreadPool>(n);
+    g_pool = std::make_shared<ThreadPool>(n, std::move(topology));
   }
   return g_pool;
 }
@@ -314,6 +362,13 @@ void set_pool_threads(int threads) {
   g_pool.reset();
 }
 
+void set_pool_numa(const std::string& spec) {
+  numa_topology(spec);  // a bad spec throws here, not at the next job
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  g_numa_spec = spec;
+  g_pool.reset();  // as set_pool_threads: the next job starts a pool split this way
+}
+
 int pool_threads() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   return g_pool ? g_pool->threads() : g_pool_threads;
@@ -322,13 +377,14 @@ int pool_threads() {
 MoEEngine::MoEEngine(int experts, int hidden, int intermediate, const Proj& gate, const Proj& up, const Proj& down,
                      const ActConfig& act, const KernelTable* kernels, int gemv_max_tokens)
     : E_(experts), H_(hidden), I_(intermediate), gate_(gate), up_(up), down_(down), act_(act), kt_(kernels),
-      gemv_max_(gemv_max_tokens) {}
+      gemv_max_(gemv_max_tokens),
+      split_(split_experts(experts, hidden, intermediate, gate, up, down, global_pool()->topology())) {}
 
 int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
                           const float* weights, void* y, const uint8_t* skip_mask) {
   std::shared_ptr<ThreadPool> pool = global_pool();
-  auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, x, x_dtype, tokens, ids,
-                                      topk, weights, y, skip_mask, pool->threads());
+  auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, split_, x, x_dtype,
+                                      tokens, ids, topk, weights, y, skip_mask, pool->threads());
   const int64_t handle = jobs_.add(job);
   pool->submit(std::move(job));
   return handle;

@@ -1,8 +1,11 @@
 // One MoE layer's routed experts on the CPU: routing, the phases of a forward, async jobs.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "engine_common.h"
+#include "expert_split.h"
 #include "kernels.h"
 #include "thread_pool.h"
 
@@ -34,6 +37,8 @@ class MoEEngine {
 
   int experts() const { return E_; }
   const KernelTable* kernels() const { return kt_; }
+  // The rows each of the pool's NUMA nodes owns (one entry, all rows, on a one-node pool).
+  const std::vector<NodeRows>& split() const { return split_; }
 
  private:
   int E_, H_, I_;
@@ -41,6 +46,7 @@ class MoEEngine {
   ActConfig act_;
   const KernelTable* kt_;
   int gemv_max_;
+  std::vector<NodeRows> split_;  // by the pool's topology when the engine was made
   engine::PendingJobs jobs_;
 };
 
@@ -48,5 +54,8 @@ class MoEEngine {
 std::shared_ptr<ThreadPool> global_pool();
 void set_pool_threads(int threads);
 int pool_threads();
+// How the next pool splits into NUMA nodes: "auto", "off" or a count (numa.h); "" reads HETMOE_NUMA.
+// Engines made afterwards split their experts that way. Throws std::invalid_argument for a bad spec.
+void set_pool_numa(const std::string& spec);
 
 }  // namespace hetmoe

@@ -30,19 +30,8 @@ void Job::finish() {
 
 namespace {
 
-std::vector<int> allowed_cpus() {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  }
-  return cpus;
-}
-
-// Lets the calling thread run on every allowed CPU but `avoid` (when that leaves any).
-void avoid_cpu(const std::vector<int>& allowed, int avoid) {
+// Lets `thread` run on every CPU of `allowed` but `avoid` (when that leaves any).
+void set_affinity(pthread_t thread, const std::vector<int>& allowed, int avoid) {
   cpu_set_t set;
   CPU_ZERO(&set);
   int count = 0;
@@ -51,7 +40,7 @@ void avoid_cpu(const std::vector<int>& allowed, int avoid) {
       CPU_SET(c, &set);
       ++count;
     }
-  if (count > 0) pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+  if (count > 0) pthread_setaffinity_np(thread, sizeof(set), &set);  // best effort
 }
 
 inline void cpu_relax() {
@@ -66,8 +55,53 @@ inline void cpu_relax() {
 // workers spin idle_spin_us instead: see the header).
 constexpr auto kPhaseSpin = std::chrono::microseconds(100);
 
-ThreadPool::ThreadPool(int threads) : threads_(std::max(1, threads)), cpus_(allowed_cpus()) {
-  for (int i = 0; i + 1 < threads_; ++i) workers_.emplace_back([this, i] { worker_main(i); });
+ThreadPool::ThreadPool(int threads, NumaTopology topology)
+    : threads_(std::max(1, threads)), topology_(std::move(topology)) {
+  if (topology_.nodes() == 0) {
+    topology_.node_cpus.push_back(allowed_cpus());
+    topology_.memory_node.push_back(-1);
+    topology_.source = "single";
+  }
+  for (int g = 0; g < topology_.nodes(); ++g)
+    for (int c : topology_.node_cpus[g]) {
+      if (c >= int(cpu_node_.size())) cpu_node_.resize(c + 1, -1);
+      cpu_node_[c] = g;
+    }
+  // Participants per node in proportion to its CPUs (largest remainders first), the caller counted
+  // on the node it runs on now.
+  const int nodes = topology_.nodes();
+  size_t cpus = 0;
+  for (const auto& list : topology_.node_cpus) cpus += list.size();
+  std::vector<int> quota(nodes, 0);
+  std::vector<std::pair<size_t, int>> remainders;
+  int given = 0;
+  for (int g = 0; g < nodes; ++g) {
+    const size_t share = size_t(threads_) * topology_.node_cpus[g].size();
+    quota[g] = cpus ? int(share / cpus) : (g == 0 ? threads_ : 0);
+    given += quota[g];
+    remainders.push_back({cpus ? share % cpus : 0, -g});
+  }
+  std::sort(remainders.rbegin(), remainders.rend());
+  for (int i = 0; given < threads_; ++i, ++given) ++quota[-remainders[i % nodes].second];
+  int caller = std::max(0, caller_node());
+  if (quota[caller] == 0) caller = int(std::max_element(quota.begin(), quota.end()) - quota.begin());
+  --quota[caller];
+  for (int g = 0; g < nodes; ++g)
+    for (int i = 0; i < quota[g]; ++i) worker_node_.push_back(g);
+  for (int i = 0; i + 1 < threads_; ++i) {
+    workers_.emplace_back([this, i] { worker_main(i); });
+    // Named (for `top -H`, and for tests that check where workers may run) and kept to their node's
+    // CPUs from the start; a worker's first job then also keeps it off the caller's CPU.
+    const pthread_t handle = workers_.back().native_handle();
+    const std::string name = "hetmoe-n" + std::to_string(worker_node_[i]) + "-" + std::to_string(i);
+    pthread_setname_np(handle, name.substr(0, 15).c_str());
+    set_affinity(handle, topology_.node_cpus[worker_node_[i]], -1);
+  }
+}
+
+int ThreadPool::caller_node() const {
+  const int cpu = sched_getcpu();
+  return cpu >= 0 && cpu < int(cpu_node_.size()) ? std::max(0, cpu_node_[cpu]) : 0;
 }
 
 void ThreadPool::drain() {
@@ -153,14 +187,36 @@ void ThreadPool::advance(const std::shared_ptr<PhaseState>& done) {
   cv_.notify_all();
 }
 
+void ThreadPool::run_item(const std::shared_ptr<PhaseState>& st, int item, int id) {
+  st->phase.run(item, id);
+  if (st->finished.fetch_add(1, std::memory_order_acq_rel) + 1 == st->phase.items) advance(st);
+}
+
 bool ThreadPool::run_items(const std::shared_ptr<PhaseState>& st, int id) {
-  const int items = st->phase.items;
+  const Phase& phase = st->phase;
   bool ran = false;
-  for (int i = st->next.fetch_add(1, std::memory_order_relaxed); i < items;
-       i = st->next.fetch_add(1, std::memory_order_relaxed)) {
-    st->phase.run(i, id);
-    ran = true;
-    if (st->finished.fetch_add(1, std::memory_order_acq_rel) + 1 == items) advance(st);
+  if (phase.shards == 0) {
+    for (int i = st->next.fetch_add(1, std::memory_order_relaxed); i < phase.items;
+         i = st->next.fetch_add(1, std::memory_order_relaxed)) {
+      run_item(st, i, id);
+      ran = true;
+    }
+    return ran;
+  }
+  // The shards of this thread's node first, then (their items gone) the others', so that no
+  // thread idles while a node with fewer threads still has work.
+  const int node = id < int(worker_node_.size()) ? worker_node_[id] : caller_node();
+  const int nodes = topology_.nodes();
+  for (int own = 1; own >= 0; --own) {
+    for (int s = 0; s < phase.shards; ++s) {
+      if ((s % nodes == node) != (own == 1)) continue;
+      const int first = phase.shard_first[s], count = phase.shard_first[s + 1] - first;
+      for (int i = st->shard_next[s].fetch_add(1, std::memory_order_relaxed); i < count;
+           i = st->shard_next[s].fetch_add(1, std::memory_order_relaxed)) {
+        run_item(st, first + i, id);
+        ran = true;
+      }
+    }
   }
   return ran;
 }
@@ -202,7 +258,7 @@ int ThreadPool::default_idle_spin_us() {
 void ThreadPool::set_idle_spin_us(int us) { idle_spin_us_.store(std::max(0, us), std::memory_order_relaxed); }
 
 void ThreadPool::worker_main(int id) {
-  int avoiding = -1;
+  int avoiding = -2;  // no CPU id: the first job pins the worker
   uint64_t seen = 0;
   auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
@@ -227,9 +283,11 @@ void ThreadPool::worker_main(int id) {
     // another idles is the worst case (the scheduler's wake-up placement did that to floating
     // workers: one MoE layer's decode step from DRAM, bf16 3.8 -> 6.3 ms). Pinning workers to
     // fixed CPUs did it too, with the caller, which is the user's thread and not ours to pin.
+    // Each worker stays on its node's CPUs (all allowed CPUs on a one-node machine).
     const int caller = caller_cpu_.load(std::memory_order_relaxed);
-    if (caller != avoiding && cpus_.size() > 1) {
-      avoid_cpu(cpus_, caller);
+    const std::vector<int>& mine = topology_.node_cpus[worker_node_[id]];
+    if (caller != avoiding) {
+      set_affinity(pthread_self(), mine, caller);
       avoiding = caller;
     }
     run_items(st, id);

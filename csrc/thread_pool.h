@@ -9,11 +9,18 @@
 // the N-th participant because it is runnable anyway: with N workers on N cores it would wait on
 // a futex and, on wake-up, compete for a core with a worker; and a sleeping waiter costs a wake-up
 // at the end of every job (measured: one decode step of a 4-layer model, 21 jobs, 18.2 -> 14.4 ms).
-// Workers keep off the CPU the caller last ran on (their affinity is every other allowed CPU,
-// updated when the caller moves), so the caller and the workers never share a core.
+// Workers keep off the CPU the caller last ran on (their affinity is every other CPU of their
+// node, updated when the caller moves), so the caller and the workers never share a core.
 // Between the phases of a job workers spin briefly (phases follow each other within microseconds);
 // once no job is running they sleep on a condition variable at once, so an idle pool takes no CPU.
+//
+// On a NUMA machine (numa.h) the pool's threads are split into one group per node, in proportion
+// to the nodes' CPUs, each worker kept to its node's CPUs. A phase may say which of its items read
+// which node's memory (its shards, expert_split.h): threads claim their own node's items first and
+// help with the others' only once those are gone, so weights placed on a node are streamed by that
+// node's cores and no thread idles while another node has work left.
 #pragma once
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -24,11 +31,18 @@
 #include <thread>
 #include <vector>
 
+#include "numa.h"
+
 namespace hetmoe {
 
 struct Phase {
   int items = -1;  // -1: the job has no more phases; 0: this phase is empty and skipped
   std::function<void(int item, int worker)> run;
+  // 0: any thread takes any item. Otherwise items [shard_first[s], shard_first[s + 1]) belong to
+  // shard s, whose memory is on the pool's node s (modulo the pool's node count: an engine split
+  // for another pool still runs); shard_first[shards] == items.
+  int shards = 0;
+  std::array<int, kMaxNodes + 1> shard_first{};
 };
 
 class ThreadPool;
@@ -69,14 +83,15 @@ class ForJob final : public Job {
 
 class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
  public:
-  // `threads` participants: threads - 1 workers and the waiting caller. Create with make_shared
-  // (jobs keep a weak reference to their pool).
-  explicit ThreadPool(int threads);
+  // `threads` participants: threads - 1 workers and the waiting caller, spread over the topology's
+  // nodes in proportion to their CPUs. Create with make_shared (jobs keep a weak reference).
+  explicit ThreadPool(int threads, NumaTopology topology = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return threads_; }
+  const NumaTopology& topology() const { return topology_; }
   void submit(std::shared_ptr<Job> job);
   // Runs items of whatever phase is published until `job` is finished (Job::wait calls this).
   void help_until(const Job& job);
@@ -97,18 +112,23 @@ class ThreadPool : public std::enable_shared_from_this<ThreadPool> {
     int index = 0;
     std::atomic<int> next{0};
     std::atomic<int> finished{0};
+    std::array<std::atomic<int>, kMaxNodes> shard_next{};  // per shard, for sharded phases
   };
 
   void worker_main(int id);
   void note_caller_cpu();  // records the CPU the calling thread runs on
   // Claims and runs items of `st` until none is left; true if this thread ran any.
   bool run_items(const std::shared_ptr<PhaseState>& st, int id);
+  void run_item(const std::shared_ptr<PhaseState>& st, int item, int id);
+  int caller_node() const;  // the node of the CPU the calling thread is on
   void drain();  // runs every submitted job to completion on this thread's behalf
   void publish_locked(std::shared_ptr<Job> job, int index);  // under mu_
   void advance(const std::shared_ptr<PhaseState>& done);       // the last item of a phase finished
 
   int threads_;
-  std::vector<int> cpus_;               // the CPUs this process may run on
+  NumaTopology topology_;
+  std::vector<int> worker_node_;        // node of each worker; the caller's is where it runs
+  std::vector<int> cpu_node_;           // node of each CPU id (-1: not allowed)
   std::atomic<int> caller_cpu_{-1};     // where the submitting / waiting thread last ran
   static int default_idle_spin_us();
   static inline std::atomic<int> idle_spin_us_{default_idle_spin_us()};

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..kernels import moe_forward_reference, select_isa, set_num_threads
+from ..kernels.dispatch import pool_report
 from ..kernels.machine import measure_machine, plain_read_gb_per_s, read_bandwidth_now
 from ..models.shapes import MoEShape, get_shape
 from ..runtime import CPUExperts
@@ -92,9 +93,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     if cfg.threads:
         set_num_threads(cfg.threads)
     machine = measure_machine(cfg.threads or None)
+    pool = pool_report()
+    groups = len(pool.get("node_cpus", [[]]))
     log(
         f"machine: read {machine['read_gb_per_s']} GB/s, fp32 FMA {machine['fma_gflop_per_s']} GFLOP/s "
         f"({machine['threads']} threads, {machine['isa']}); kernels: {isa}"
+        + (f"; experts split over {groups} NUMA groups ({pool['source']})" if groups > 1 else "")
     )
     flush = CacheFlush(2 * last_level_cache_bytes())
     records = []
@@ -180,6 +184,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         "experts": experts,
         "group_size": cfg.group_size,
         "machine": machine,
+        "pool": pool,
         "read_now_gb_per_s": {
             "min": min(samples, default=0.0),
             "median": statistics.median(samples) if samples else 0.0,

@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "machine's measured bandwidth and FMA peak."
         ),
         epilog="examples:\n  hetmoe bench moe\n  hetmoe bench moe --methods int4 --tokens 1,512 --json out.json\n"
-        "  hetmoe bench moe --shape deepseek-v3 --experts 32 --plot roofline.png",
+        "  hetmoe bench moe --shape deepseek-v3 --experts 32 --plot roofline.png\n"
+        "  HETMOE_NUMA=2 hetmoe bench moe --no-baseline   # the experts split over 2 groups of CPUs as NUMA nodes",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m.add_argument(

@@ -134,6 +134,17 @@ def run(args: argparse.Namespace) -> int:
             f"engine   best variant {eng['best']}, selected {eng['selected']}, "
             f"integer GEMVs {eng['int_vector_bits']} bits wide, weight prefetch {eng['weight_prefetch']}"
         )
+        pool = eng["pool"]
+        if "error" in pool:
+            print(f"pool     unusable: {pool['error']}")
+        else:
+            groups = len(pool["node_cpus"])
+            how = {"single": "one group", "libnuma": f"{groups} NUMA nodes", "split": f"{groups} groups (HETMOE_NUMA)"}
+            print(
+                f"pool     {pool['threads']} threads, {how[pool['source']]}"
+                + (", each streaming its own rows of every expert" if groups > 1 else "")
+                + f" (libnuma {'loaded' if pool['libnuma'] else 'not found'})"
+            )
     else:
         print(f"engine   unavailable: {eng['error']}")
     t = r["torch"]

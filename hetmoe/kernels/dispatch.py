@@ -118,4 +118,16 @@ def isa_report() -> dict[str, Any]:
         "selected": mod.selected_isa(),
         "int_vector_bits": mod.int_vector_bits() if mod.selected_isa() != "avx2" else 256,
         "weight_prefetch": weight_prefetch(),
+        "pool": pool_report(),
     }
+
+
+def pool_report() -> dict[str, Any]:
+    """The engine's thread pool: its threads and how they split into NUMA groups (csrc/numa.h),
+    or the error a bad ``HETMOE_NUMA`` gives."""
+    mod = engine_module()
+    try:
+        numa = mod.numa_info()
+    except ValueError as exc:
+        return {"threads": mod.num_threads(), "error": str(exc)}
+    return {"threads": mod.num_threads(), **numa}
