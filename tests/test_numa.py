@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hetmoe.formats import get_codec
-from hetmoe.kernels import moe_forward_reference
+from hetmoe.kernels import moe_forward_reference, set_numa
 from hetmoe.kernels.dispatch import engine_module
 from hetmoe.runtime import CPUExperts
 
@@ -45,9 +45,8 @@ METHODS = [
 @pytest.fixture
 def numa():
     """set_numa(spec) for the test, then back to the environment's choice."""
-    mod = engine_module()
-    yield mod.set_numa
-    mod.set_numa("")
+    yield set_numa
+    set_numa("")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _split(ce: CPUExperts) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    return [(tuple(s["up_rows"]), tuple(s["down_rows"])) for s in ce._engine.split]
+    return [(tuple(s["up_rows"]), tuple(s["down_rows"])) for s in ce.numa_split]
 
 
 def test_split_specs(numa) -> None:
@@ -164,7 +163,7 @@ def test_rows_pages_sit_on_their_node(weights, numa) -> None:
     ce = CPUExperts(*qs, verbose=False)
     page = os.sysconf("SC_PAGE_SIZE")
     checked = 0
-    for node in ce._engine.split:
+    for node in ce.numa_split:
         assert node["memory_node"] >= 0
         for q, rows, row_bytes in ((qs[0], node["up_rows"], H), (qs[2], node["down_rows"], I)):
             codes = q.tensors[".weight"]

@@ -74,6 +74,13 @@ def set_num_threads(threads: int) -> None:
     engine_module().set_num_threads(threads)
 
 
+def set_numa(spec: str) -> None:
+    """How the engine's next pool splits into NUMA groups: ``"auto"`` (libnuma's nodes), ``"off"``
+    (one group), a count N (the CPUs in N groups taken for nodes) or ``""`` (``HETMOE_NUMA``).
+    Layers built afterwards split their experts' rows that way; a bad spec is a ValueError."""
+    engine_module().set_numa(spec)
+
+
 def set_idle_spin_us(us: int) -> None:
     """How long (microseconds) the engine's workers spin for the next job before sleeping; default
     500 (or ``HETMOE_IDLE_SPIN_US``), 0 to sleep at once. Spinning is off the caller's CPU."""

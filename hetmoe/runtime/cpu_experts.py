@@ -154,6 +154,13 @@ class CPUExperts:
         return self._engine.isa
 
     @property
+    def numa_split(self) -> list[dict]:
+        """The rows of every expert each NUMA node of the engine's pool owns: ``up_rows`` (of gate
+        and up), ``down_rows`` and the ``memory_node`` their pages were moved to; one entry holding
+        every row on a one-node pool (csrc/expert_split.h)."""
+        return list(self._engine.split)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of expert weights held (codes and scales)."""
         return sum(q.nbytes for q in (self.gate, self.up, self.down))
