@@ -183,6 +183,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "page_node", [](uintptr_t addr) { return page_node(reinterpret_cast<const void*>(addr)); }, py::arg("addr"),
       "the NUMA node holding the page at addr (-1 where the kernel does not say)");
+  m.def(
+      "move_to_node",
+      [](uintptr_t addr, int64_t bytes, int node) {
+        if (bytes < 0 || node < 0) throw py::value_error("move_to_node: bytes and node must be >= 0");
+        const auto* begin = reinterpret_cast<const uint8_t*>(addr);
+        py::gil_scoped_release release;
+        return move_to_node(begin, begin + bytes, node);
+      },
+      py::arg("addr"), py::arg("bytes"), py::arg("node"),
+      "moves the pages that start inside [addr, addr + bytes) to a NUMA node; returns how many sit there after "
+      "(-1: the kernel cannot move pages)");
   m.def("set_idle_spin_us", &ThreadPool::set_idle_spin_us, py::arg("us"));
   m.def(
       "rms_norm",

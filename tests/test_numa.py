@@ -152,19 +152,40 @@ def test_every_row_belongs_to_one_node(numa, method: str, spec: str, i: int, h: 
     assert _split(CPUExperts(*qs, verbose=False)) == [((0, i), (0, h))]
 
 
+def test_moving_pages_counts_the_pages_that_start_inside() -> None:
+    """move_to_node moves the pages whose first byte lies in the range (a page shared with the
+    neighbouring range goes with the range holding its start) and counts those that arrived."""
+    mod = engine_module()
+    page = os.sysconf("SC_PAGE_SIZE")
+    buf = torch.ones(64 * page, dtype=torch.uint8)  # touched: every page exists
+    node = mod.page_node(buf.data_ptr())
+    if node < 0:
+        pytest.skip("the kernel does not report page nodes here")
+    base = (buf.data_ptr() + page - 1) // page * page  # the first page boundary inside the buffer
+    assert mod.move_to_node(base, 10 * page, node) == 10
+    assert mod.move_to_node(base + 1, 10 * page - 1, node) == 9  # the first page starts before the range
+    assert mod.move_to_node(base + 1, page - 2, node) == 0  # no page starts inside
+    assert mod.move_to_node(base - 1, 2, node) == 1
+    assert mod.move_to_node(base, 4 * page, 4095) == 0  # no such node: nothing moves, nothing counts
+    assert all(mod.page_node(base + i * page) == node for i in range(12))
+
+
 def test_rows_pages_sit_on_their_node(weights, numa) -> None:
     """Each node's rows of every expert were moved to its memory node (move_pages); get_mempolicy
     reports the node of every whole page inside them."""
     mod = engine_module()
     numa("2")
-    if not mod.numa_info()["libnuma"]:
+    info = mod.numa_info()
+    if not info["libnuma"]:
         pytest.skip("libnuma is not installed: the groups have no memory node")
     qs = _quantized(weights, "int8", {})
+    if mod.page_node(qs[0].tensors[".weight"].data_ptr()) < 0:
+        pytest.skip("the kernel does not report page nodes here")
     ce = CPUExperts(*qs, verbose=False)
     page = os.sysconf("SC_PAGE_SIZE")
     checked = 0
-    for node in ce.numa_split:
-        assert node["memory_node"] >= 0
+    for node, memory_node in zip(ce.numa_split, info["memory_nodes"], strict=True):
+        assert node["memory_node"] == memory_node >= 0  # the node its group's CPUs are on
         for q, rows, row_bytes in ((qs[0], node["up_rows"], H), (qs[2], node["down_rows"], I)):
             codes = q.tensors[".weight"]
             for e in range(E):
