@@ -21,7 +21,7 @@ SOURCES = [
     "norms.cpp",
     "decode_step.cpp",
     "numa.cpp",
-    "expert_split.cpp",
+    "numa_split.cpp",
 ]
 ISA_SOURCES = {
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],

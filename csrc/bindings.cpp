@@ -486,6 +486,9 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("handle"))
       .def_property_readonly("pending", &LinearEngine::pending)
+      .def_property_readonly("node_bounds", &LinearEngine::node_bounds,
+                             "where the output rows are cut per NUMA node of the pool: node j owns rows "
+                             "[bounds[j], bounds[j + 1]), its pages moved to it ([0, N] on one node)")
       .def_property_readonly("out_features", &LinearEngine::rows)
       .def_property_readonly("in_features", &LinearEngine::cols)
       .def_property_readonly("isa", [](const LinearEngine& e) { return std::string(e.kernels()->name); });

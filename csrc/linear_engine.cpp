@@ -24,14 +24,21 @@ thread_local LinearScratch tl_linear;
 
 class LinearJob final : public Job {
  public:
-  LinearJob(const Proj& w, const float* bias, const KernelTable* kt, int gemv_max, const void* x, int x_dtype, int T,
-            void* y, int y_dtype, int threads)
+  LinearJob(const Proj& w, const float* bias, const KernelTable* kt, int gemv_max, const std::vector<int>& bounds,
+            const void* x, int x_dtype, int T, void* y, int y_dtype, int threads)
       : w_(w), bias_(bias), kt_(kt), x_(x), x_dtype_(x_dtype), y_(y), y_dtype_(y_dtype), T_(T),
         gemv_(T <= gemv_max) {
     N_ = w.n;
     K_ = w.k;
-    rows_ = item_rows(w, N_, 4 * threads);
-    row_items_ = (N_ + rows_ - 1) / rows_;
+    // Each node's rows (numa_split.h; all of them on a one-node pool) in items of equal size.
+    const int parts = static_cast<int>(bounds.size()) - 1;
+    for (int j = 0; j < parts; ++j) {
+      const int r0 = bounds[j], r1 = bounds[j + 1];
+      const int rows = item_rows(w, std::max(1, r1 - r0), 4 * std::max(1, threads / parts));
+      nodes_.push_back({r0, r1, rows, (r1 - r0 + rows - 1) / rows, 0});
+      rows_ = std::max(rows_, rows);
+      row_items_ += nodes_.back().row_items;
+    }
     // Few row items (a small N) leave workers idle: split the tokens as well. Each token chunk
     // dequantizes its panels again, so only as many chunks as the pool needs, and never chunks of
     // fewer than one GEMM register block's worth of tokens.
@@ -41,6 +48,7 @@ class LinearJob final : public Job {
       token_chunk_ = (T + chunks - 1) / chunks;
     }
     token_items_ = T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0;
+    for (int j = 1; j < parts; ++j) nodes_[j].first = nodes_[j - 1].first + nodes_[j - 1].row_items * token_items_;
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
     if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_));  // the GEMM path reads fp32 rows
   }
@@ -49,8 +57,15 @@ class LinearJob final : public Job {
     switch (index) {
       case 0:  // activations to fp32, and to int16 blocks for integer GEMV kernels; one token an item
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare(t); }};
-      case 1:  // output rows (and token chunks) as independent items
-        return {row_items_ * token_items_, [this](int i, int) { compute(i); }};
+      case 1: {  // output rows (and token chunks) as independent items, node by node
+        Phase p{row_items_ * token_items_, [this](int i, int) { compute(i); }};
+        if (nodes_.size() > 1) {  // each node's threads take the items of its rows first
+          p.shards = static_cast<int>(nodes_.size());
+          for (int j = 0; j < p.shards; ++j) p.shard_first[j] = nodes_[j].first;
+          p.shard_first[p.shards] = p.items;
+        }
+        return p;
+      }
       default:
         return {};
     }
@@ -70,8 +85,12 @@ class LinearJob final : public Job {
   // Item i: rows [first, last) for tokens [t0, t1), into a scratch block [t1 - t0, rows_], then the
   // epilogue (bias, conversion) into y.
   void compute(int item) {
-    const int first = (item % row_items_) * rows_, last = std::min(N_, first + rows_);
-    const int t0 = (item / row_items_) * token_chunk_, t1 = std::min(T_, t0 + token_chunk_);
+    int j = static_cast<int>(nodes_.size()) - 1;
+    while (j > 0 && item < nodes_[j].first) --j;
+    const NodeRange& node = nodes_[j];
+    item -= node.first;
+    const int first = node.r0 + (item % node.row_items) * node.rows, last = std::min(node.r1, first + node.rows);
+    const int t0 = (item / node.row_items) * token_chunk_, t1 = std::min(T_, t0 + token_chunk_);
     const int nt = t1 - t0, R = last - first;
     float* block = sized(tl_linear.block, size_t(std::max(nt, kGemvTokens)) * rows_);
     if (gemv_) {
@@ -117,7 +136,13 @@ class LinearJob final : public Job {
   void* y_;
   int y_dtype_, T_;
   bool gemv_;
-  int N_ = 0, K_ = 0, rows_ = kPanelRows, row_items_ = 0, token_chunk_ = 1, token_items_ = 0;
+  // One node's output rows [r0, r1) in items of `rows`: phase 1's items [first, first + row_items *
+  // token_items), token chunk by token chunk.
+  struct NodeRange {
+    int r0, r1, rows, row_items, first;
+  };
+  std::vector<NodeRange> nodes_;
+  int N_ = 0, K_ = 0, rows_ = 0, row_items_ = 0, token_chunk_ = 1, token_items_ = 0;  // rows_: the largest item
   std::unique_ptr<float[]> xf_;
   ActBuffers x_act_;
 };
@@ -125,11 +150,16 @@ class LinearJob final : public Job {
 }  // namespace
 
 LinearEngine::LinearEngine(const Proj& weight, const float* bias, const KernelTable* kernels, int gemv_max_tokens)
-    : w_(weight), bias_(bias), kt_(kernels), gemv_max_(gemv_max_tokens) {}
+    : w_(weight), bias_(bias), kt_(kernels), gemv_max_(gemv_max_tokens) {
+  const NumaTopology& topology = global_pool()->topology();
+  bounds_ = hetmoe::node_bounds(w_.n, w_.s_row_div, topology);
+  move_node_rows(w_, 1, bounds_, topology);
+}
 
 int64_t LinearEngine::submit(const void* x, int x_dtype, int tokens, void* y, int y_dtype) {
   std::shared_ptr<ThreadPool> pool = global_pool();
-  auto job = std::make_shared<LinearJob>(w_, bias_, kt_, gemv_max_, x, x_dtype, tokens, y, y_dtype, pool->threads());
+  auto job = std::make_shared<LinearJob>(w_, bias_, kt_, gemv_max_, bounds_, x, x_dtype, tokens, y, y_dtype,
+                                         pool->threads());
   const int64_t handle = jobs_.add(job);
   pool->submit(std::move(job));
   return handle;

@@ -3,12 +3,15 @@
 // and thread pool. It is the MoE case reduced to one expert and k = 1, written without routing:
 // decode (few tokens) streams W once with the method's GEMV, prefill dequantizes W a panel of rows
 // at a time and reuses each panel across all tokens with the fp32 panel GEMM. Work is split over
-// the output rows N (and over tokens too when N alone gives the pool too few items).
+// the output rows N (and over tokens too when N alone gives the pool too few items); on a NUMA
+// pool each node owns a slice of the rows, its pages moved to the node (numa_split.h).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "engine_common.h"
 #include "kernels.h"
+#include "numa_split.h"
 
 namespace hetmoe {
 
@@ -27,12 +30,15 @@ class LinearEngine {
   int rows() const { return w_.n; }
   int cols() const { return w_.k; }
   const KernelTable* kernels() const { return kt_; }
+  // Where the rows are cut per node of the pool (bounds[j] .. bounds[j + 1]; {0, N} on one node).
+  const std::vector<int>& node_bounds() const { return bounds_; }
 
  private:
   Proj w_;
   const float* bias_;
   const KernelTable* kt_;
   int gemv_max_;
+  std::vector<int> bounds_;  // by the pool's topology when the engine was made
   engine::PendingJobs jobs_;
 };
 

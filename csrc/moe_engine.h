@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "engine_common.h"
-#include "expert_split.h"
+#include "numa_split.h"
 #include "kernels.h"
 #include "thread_pool.h"
 

@@ -16,7 +16,7 @@
 //
 // On a NUMA machine (numa.h) the pool's threads are split into one group per node, in proportion
 // to the nodes' CPUs, each worker kept to its node's CPUs. A phase may say which of its items read
-// which node's memory (its shards, expert_split.h): threads claim their own node's items first and
+// which node's memory (its shards, numa_split.h): threads claim their own node's items first and
 // help with the others' only once those are gone, so weights placed on a node are streamed by that
 // node's cores and no thread idles while another node has work left.
 #pragma once

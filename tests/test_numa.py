@@ -1,5 +1,5 @@
-"""NUMA sub-pools: the pool split into node groups, every expert's rows split across them
-(csrc/numa.h, csrc/expert_split.h), against the float64 reference.
+"""NUMA sub-pools: the pool split into node groups, every expert's rows and every dense layer's
+rows split across them (csrc/numa.h, csrc/numa_split.h), against the float64 reference.
 
 This machine has one NUMA node, so the split is simulated (HETMOE_NUMA=<count> / set_numa): the
 allowed CPUs are divided into groups that the pool and the engine treat exactly as nodes (their own
@@ -18,6 +18,7 @@ from hetmoe.formats import get_codec
 from hetmoe.kernels import moe_forward_reference, set_numa
 from hetmoe.kernels.dispatch import engine_module
 from hetmoe.runtime import CPUExperts
+from hetmoe.runtime.cpu_linear import CPULinear
 
 E, H, I = 6, 512, 768  # noqa: E741 - I: three GGUF superblocks, so K-quants split unevenly
 FP32_BOUND, BF16_BOUND = 3e-4, 5e-3
@@ -195,6 +196,45 @@ def test_rows_pages_sit_on_their_node(weights, numa) -> None:
                     assert mod.page_node(addr) == node["memory_node"], (node, e, hex(addr))
                     checked += 1
     assert checked > 100
+    # A dense layer's rows too.
+    w = get_codec("int8").quantize(torch.randn(512, 1024) * 0.05)
+    lin = CPULinear(w)
+    codes = w.tensors[".weight"]
+    bounds = lin.numa_bounds
+    for j, memory_node in enumerate(info["memory_nodes"]):
+        start, end = codes.data_ptr() + bounds[j] * 1024, codes.data_ptr() + bounds[j + 1] * 1024
+        for addr in range((start + page - 1) // page * page, end - page + 1, page):
+            assert mod.page_node(addr) == memory_node, (j, hex(addr))
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("bf16", {}), ("int8", {}), ("int4", {"group_size": 64}), ("fp8", {}), ("gguf:q4_0", {}), ("gguf:q4_k", {})],
+)
+def test_split_linear_matches_reference(numa, method: str, params: dict) -> None:
+    """A dense layer's output rows split over the groups (fp8: at whole 128-row scale blocks), both
+    paths, token counts that split the tokens into chunks too, with a bias, fp32 and bf16."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 400, 512
+    w, b = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+    codec = get_codec(method, **params)
+    q = codec.quantize(w)
+    deq = codec.dequantize(q, torch.float32).double()
+    for spec, bounds in (("2", [0, 200, 400]), ("3", [0, 133, 266, 400])):
+        numa(spec)
+        if method == "fp8":  # 400 rows are 4 blocks of 128 (the last one ragged)
+            bounds = {"2": [0, 256, 400], "3": [0, 128, 256, 400]}[spec]
+        for gemv_max in (0, 1000):
+            lin = CPULinear(q, b, gemv_max_tokens=gemv_max)
+            assert lin.numa_bounds == bounds
+            for t in (1, 7, 64, 300):
+                x = torch.randn(t, k, generator=g)
+                ref = x.double() @ deq.T + b.double()
+                assert _rel(lin(x), ref) < FP32_BOUND, (spec, gemv_max, t)
+                xb = x.bfloat16()
+                assert _rel(lin(xb), xb.double() @ deq.T + b.double()) < BF16_BOUND, (spec, gemv_max, t)
+    numa("off")
+    assert CPULinear(q, b).numa_bounds == [0, n]
 
 
 def test_split_adversarial_routing_and_biases(weights, numa) -> None:

@@ -157,7 +157,7 @@ class CPUExperts:
     def numa_split(self) -> list[dict]:
         """The rows of every expert each NUMA node of the engine's pool owns: ``up_rows`` (of gate
         and up), ``down_rows`` and the ``memory_node`` their pages were moved to; one entry holding
-        every row on a one-node pool (csrc/expert_split.h)."""
+        every row on a one-node pool (csrc/numa_split.h)."""
         return list(self._engine.split)
 
     @property

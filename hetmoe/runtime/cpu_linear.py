@@ -128,6 +128,12 @@ class CPULinear(nn.Module):
         return self._engine.isa
 
     @property
+    def numa_bounds(self) -> list[int]:
+        """Where the output rows are cut per NUMA node of the engine's pool: node j owns rows
+        ``[bounds[j], bounds[j + 1])``, their pages moved to it; ``[0, N]`` on one node."""
+        return list(self._engine.node_bounds)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the stored weight (codes and scales) and bias."""
         return self.weight_q.nbytes + (self.bias_f32.numel() * 4 if self.bias_f32 is not None else 0)
