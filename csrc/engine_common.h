@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -77,6 +78,56 @@ inline int item_rows(const Proj& p, int n, int min_items) {
   const int items = std::min(panels, std::max(min_items, static_cast<int>((bytes + kItemBytes - 1) / kItemBytes)));
   return ((panels + items - 1) / items) * kPanelRows;
 }
+
+// A phase's items over the pool's NUMA nodes (numa_split.h): node j's rows [r0, r1) of a weight in
+// blocks of `rows`, once per repetition (a MoE job's active experts, a linear job's token chunks),
+// as items [first, first + reps * chunks), repetition by repetition. With several nodes the phase
+// tags each node's items (thread_pool.h: a node's threads take its own first).
+struct NodeRowItems {
+  struct Node {
+    int r0, r1, rows, chunks, first;
+  };
+  std::vector<Node> nodes;
+  int reps = 0;
+
+  void add(int r0, int r1, int rows) { nodes.push_back({r0, r1, rows, (r1 - r0 + rows - 1) / rows, 0}); }
+  int chunks() const {
+    int n = 0;
+    for (const Node& node : nodes) n += node.chunks;
+    return n;
+  }
+  int max_rows() const {
+    int n = 0;
+    for (const Node& node : nodes) n = std::max(n, node.rows);
+    return n;
+  }
+  void repeat(int n) {
+    reps = n;
+    for (size_t j = 1; j < nodes.size(); ++j) nodes[j].first = nodes[j - 1].first + nodes[j - 1].chunks * reps;
+  }
+  int items() const { return nodes.empty() ? 0 : nodes.back().first + nodes.back().chunks * reps; }
+
+  Phase phase(std::function<void(int item, int worker)> run) const {
+    Phase p{items(), std::move(run)};
+    if (nodes.size() > 1) {
+      p.shards = static_cast<int>(nodes.size());
+      for (int j = 0; j < p.shards; ++j) p.shard_first[j] = nodes[j].first;
+      p.shard_first[p.shards] = p.items;
+    }
+    return p;
+  }
+
+  // The repetition and the rows [first, last) of an item.
+  void locate(int item, int& rep, int& first, int& last) const {
+    int j = static_cast<int>(nodes.size()) - 1;
+    while (j > 0 && item < nodes[j].first) --j;  // a node without items never holds the item
+    const Node& node = nodes[j];
+    item -= node.first;
+    rep = item / node.chunks;
+    first = node.r0 + (item % node.chunks) * node.rows;
+    last = std::min(node.r1, first + node.rows);
+  }
+};
 
 // Activation rows in the layout a method's GEMV kernel wants.
 struct ActBuffers {

@@ -34,21 +34,19 @@ class LinearJob final : public Job {
     const int parts = static_cast<int>(bounds.size()) - 1;
     for (int j = 0; j < parts; ++j) {
       const int r0 = bounds[j], r1 = bounds[j + 1];
-      const int rows = item_rows(w, std::max(1, r1 - r0), 4 * std::max(1, threads / parts));
-      nodes_.push_back({r0, r1, rows, (r1 - r0 + rows - 1) / rows, 0});
-      rows_ = std::max(rows_, rows);
-      row_items_ += nodes_.back().row_items;
+      items_.add(r0, r1, item_rows(w, std::max(1, r1 - r0), 4 * std::max(1, threads / parts)));
     }
+    rows_ = items_.max_rows();
+    const int row_items = items_.chunks();
     // Few row items (a small N) leave workers idle: split the tokens as well. Each token chunk
     // dequantizes its panels again, so only as many chunks as the pool needs, and never chunks of
     // fewer than one GEMM register block's worth of tokens.
     token_chunk_ = std::max(T, 1);
-    if (!gemv_ && row_items_ < 2 * threads) {
-      const int chunks = std::min((2 * threads + row_items_ - 1) / row_items_, std::max(1, T / 8));
+    if (!gemv_ && row_items < 2 * threads) {
+      const int chunks = std::min((2 * threads + row_items - 1) / row_items, std::max(1, T / 8));
       token_chunk_ = (T + chunks - 1) / chunks;
     }
-    token_items_ = T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0;
-    for (int j = 1; j < parts; ++j) nodes_[j].first = nodes_[j - 1].first + nodes_[j - 1].row_items * token_items_;
+    items_.repeat(T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
     if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_));  // the GEMM path reads fp32 rows
   }
@@ -57,15 +55,8 @@ class LinearJob final : public Job {
     switch (index) {
       case 0:  // activations to fp32, and to int16 blocks for integer GEMV kernels; one token an item
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare(t); }};
-      case 1: {  // output rows (and token chunks) as independent items, node by node
-        Phase p{row_items_ * token_items_, [this](int i, int) { compute(i); }};
-        if (nodes_.size() > 1) {  // each node's threads take the items of its rows first
-          p.shards = static_cast<int>(nodes_.size());
-          for (int j = 0; j < p.shards; ++j) p.shard_first[j] = nodes_[j].first;
-          p.shard_first[p.shards] = p.items;
-        }
-        return p;
-      }
+      case 1:  // output rows (and token chunks) as independent items, node by node
+        return items_.phase([this](int i, int) { compute(i); });
       default:
         return {};
     }
@@ -85,12 +76,9 @@ class LinearJob final : public Job {
   // Item i: rows [first, last) for tokens [t0, t1), into a scratch block [t1 - t0, rows_], then the
   // epilogue (bias, conversion) into y.
   void compute(int item) {
-    int j = static_cast<int>(nodes_.size()) - 1;
-    while (j > 0 && item < nodes_[j].first) --j;
-    const NodeRange& node = nodes_[j];
-    item -= node.first;
-    const int first = node.r0 + (item % node.row_items) * node.rows, last = std::min(node.r1, first + node.rows);
-    const int t0 = (item / node.row_items) * token_chunk_, t1 = std::min(T_, t0 + token_chunk_);
+    int chunk, first, last;
+    items_.locate(item, chunk, first, last);
+    const int t0 = chunk * token_chunk_, t1 = std::min(T_, t0 + token_chunk_);
     const int nt = t1 - t0, R = last - first;
     float* block = sized(tl_linear.block, size_t(std::max(nt, kGemvTokens)) * rows_);
     if (gemv_) {
@@ -136,13 +124,8 @@ class LinearJob final : public Job {
   void* y_;
   int y_dtype_, T_;
   bool gemv_;
-  // One node's output rows [r0, r1) in items of `rows`: phase 1's items [first, first + row_items *
-  // token_items), token chunk by token chunk.
-  struct NodeRange {
-    int r0, r1, rows, row_items, first;
-  };
-  std::vector<NodeRange> nodes_;
-  int N_ = 0, K_ = 0, rows_ = 0, row_items_ = 0, token_chunk_ = 1, token_items_ = 0;  // rows_: the largest item
+  engine::NodeRowItems items_;  // phase 1's: each node's output rows, once per token chunk
+  int N_ = 0, K_ = 0, rows_ = 0, token_chunk_ = 1;  // rows_: the largest item's
   std::unique_ptr<float[]> xf_;
   ActBuffers x_act_;
 };

@@ -39,11 +39,11 @@ class MoEJob final : public Job {
     const int A = static_cast<int>(active_.size());
     const int per_expert = A == 0 ? 1 : (4 * std::max(1, threads / nodes) + A - 1) / A;
     for (const NodeRows& r : split) {
-      const int up_first = up_items_.empty() ? 0 : up_items_.back().end(A);
-      const int down_first = down_items_.empty() ? 0 : down_items_.back().end(A);
-      up_items_.push_back(node_items(gate, r.up0, r.up1, per_expert, up_first));
-      down_items_.push_back(node_items(down, r.down0, r.down1, per_expert, down_first));
+      up_items_.add(r.up0, r.up1, item_rows(gate, std::max(1, r.up1 - r.up0), per_expert));
+      down_items_.add(r.down0, r.down1, item_rows(down, std::max(1, r.down1 - r.down0), per_expert));
     }
+    up_items_.repeat(A);
+    down_items_.repeat(A);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
     x_act_.allocate(T, H, act_quant_for(kt, gate.method, H));
     // Gate and up in methods whose GEMVs read different layouts (a GGUF file may store them in two
@@ -68,11 +68,11 @@ class MoEJob final : public Job {
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone || xu_act_.mode != kActNone ? T_ : 0,
                 [this](int t, int) { prepare_token(t); }};
       case 1:  // gate and up, then SiLU * up, by (node, expert, block of rows of I)
-        return node_phase(up_items_, [this](int i, int) { gate_up(i); });
+        return up_items_.phase([this](int i, int) { gate_up(i); });
       case 2:  // the intermediate activations quantized for an integer down projection (or to bf16)
         return {h_act_.mode != kActNone || bf16_down_ ? S_ : 0, [this](int s, int) { prepare_h(s); }};
       case 3:  // down, by (node, expert, block of rows of H)
-        return node_phase(down_items_, [this](int i, int) { down(i); });
+        return down_items_.phase([this](int i, int) { down(i); });
       case 4:  // weighted sum of each token's expert outputs
         return {T_, [this](int t, int) { combine(t); }};
       default:
@@ -84,43 +84,6 @@ class MoEJob final : public Job {
   struct ActiveExpert {
     int expert, first_slot, count;
   };
-
-  // One node's items of a phase: its rows [r0, r1) of every active expert, in blocks of `rows`;
-  // items [first, end) of the phase.
-  struct NodeItems {
-    int r0, r1, rows, chunks, first;
-    int end(int active) const { return first + active * chunks; }
-  };
-
-  static NodeItems node_items(const Proj& p, int r0, int r1, int per_expert, int first) {
-    const int rows = item_rows(p, std::max(1, r1 - r0), per_expert);
-    return {r0, r1, rows, (r1 - r0 + rows - 1) / rows, first};
-  }
-
-  // A phase over the nodes' items, tagged with their node where there are several (each node's
-  // threads take its items first: its rows' pages are on that node).
-  Phase node_phase(const std::vector<NodeItems>& nodes, std::function<void(int, int)> run) const {
-    const int A = static_cast<int>(active_.size());
-    const int parts = static_cast<int>(nodes.size());
-    Phase p{nodes.back().end(A), std::move(run)};
-    if (parts > 1) {
-      p.shards = parts;
-      for (int j = 0; j < parts; ++j) p.shard_first[j] = nodes[j].first;
-      p.shard_first[parts] = p.items;
-    }
-    return p;
-  }
-
-  // The expert and rows [first, last) of a phase's item.
-  void item_range(const std::vector<NodeItems>& nodes, int item, const ActiveExpert*& a, int& first, int& last) const {
-    int j = static_cast<int>(nodes.size()) - 1;
-    while (j > 0 && item < nodes[j].first) --j;
-    const NodeItems& n = nodes[j];
-    item -= n.first;
-    a = &active_[item / n.chunks];
-    first = n.r0 + (item % n.chunks) * n.rows;
-    last = std::min(n.r1, first + n.rows);
-  }
 
   // Slots are (token, k) pairs that run here, sorted by expert so each expert's tokens are
   // contiguous; busiest experts first so the tail of a phase is short.
@@ -194,10 +157,9 @@ class MoEJob final : public Job {
   }
 
   void gate_up(int item) {
-    const ActiveExpert* expert;
-    int first, last;
-    item_range(up_items_, item, expert, first, last);
-    const ActiveExpert& a = *expert;
+    int active, first, last;
+    up_items_.locate(item, active, first, last);
+    const ActiveExpert& a = active_[active];
     // Up to kGemvTokens tokens (decode) read each row once: the item's gate rows, then its up rows, as
     // two long streams (Zen 5, 1-token int4 decode from DRAM: 0.672 -> 0.620 ms, in-process A/B; int8
     // level). More tokens go a panel at a time, so a panel's rows stay in cache for the token groups.
@@ -248,10 +210,9 @@ class MoEJob final : public Job {
   }
 
   void down(int item) {
-    const ActiveExpert* expert;
-    int first, last;
-    item_range(down_items_, item, expert, first, last);
-    const ActiveExpert& a = *expert;
+    int active, first, last;
+    down_items_.locate(item, active, first, last);
+    const ActiveExpert& a = active_[active];
     for (int n0 = first; n0 < last; n0 += kPanelRows) down_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 
@@ -324,7 +285,7 @@ class MoEJob final : public Job {
   std::vector<ActiveExpert> active_;
   std::vector<int> slot_token_, slot_of_;
   int S_ = 0;
-  std::vector<NodeItems> up_items_, down_items_;  // phase 1's and phase 3's items, by node
+  engine::NodeRowItems up_items_, down_items_;  // phase 1's (rows of I) and phase 3's (rows of H)
   std::unique_ptr<float[]> xf_, h_, ybuf_;
   std::unique_ptr<uint16_t[]> hb_;  // the intermediate in bf16, for bf16_down_
   bool bf16_up_ = false, bf16_down_ = false;
