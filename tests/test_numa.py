@@ -329,3 +329,37 @@ def test_doctor_and_bench_report_the_split(numa) -> None:
     assert pool["source"] == "split" and len(pool["node_cpus"]) == 2 and pool["threads"] >= 1
     numa("off")
     assert pool_report()["source"] == "single"
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_pools_of_other_sizes_split_their_threads(weights, numa, threads: int) -> None:
+    """More or fewer threads than CPUs: the workers are spread over the groups in proportion to
+    their CPUs (the caller counted where it runs), and the split layer still matches."""
+    mod = engine_module()
+    before = mod.num_threads()
+    try:
+        mod.set_num_threads(threads)
+        numa("2")
+        qs = _quantized(weights, "int4", {"group_size": 32})
+        ce = CPUExperts(*qs)
+        g = torch.Generator().manual_seed(12)
+        for T in (1, 23):
+            ids = torch.randint(0, E, (T, 3), generator=g)
+            w = torch.rand(T, 3, generator=g)
+            x = torch.randn(T, H, generator=g)
+            assert _rel(ce.forward(x, ids, w), _reference(qs, x, ids, w)) < FP32_BOUND, T
+        per_group = [0, 0]
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except FileNotFoundError:
+                continue
+            if name.startswith("hetmoe-n"):
+                per_group[int(name.split("-")[1][1:])] += 1
+        assert sum(per_group) == threads - 1, per_group
+        # Participants (workers and the caller) split as evenly as the count allows, so the workers
+        # differ by at most two: one for an odd count, one for the caller's group.
+        assert max(per_group) - min(per_group) <= 2, per_group
+    finally:
+        mod.set_num_threads(before)
