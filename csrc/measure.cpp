@@ -15,22 +15,13 @@
 #include <vector>
 
 #include "moe_engine.h"
+#include "numa.h"
 #include "thread_pool.h"
 
 namespace hetmoe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::vector<int> usable_cpus() {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0)
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  return cpus;
-}
 
 void pin(int cpu) {
   cpu_set_t set;
@@ -42,7 +33,7 @@ void pin(int cpu) {
 // Runs body(i) on `threads` pinned threads that start together; returns the wall seconds.
 template <typename F>
 double run_parallel(int threads, F body) {
-  const std::vector<int> cpus = usable_cpus();
+  const std::vector<int> cpus = allowed_cpus();
   std::atomic<int> ready{0};
   std::atomic<bool> go{false};
   std::vector<std::thread> pool;

@@ -6,7 +6,6 @@
 #include <thread>
 #include <vector>
 
-#include <sched.h>
 
 namespace hetmoe {
 namespace {
@@ -304,11 +303,9 @@ std::shared_ptr<ThreadPool> global_pool() {
   if (!g_pool) {
     NumaTopology topology = numa_topology(g_numa_spec);  // throws on a bad HETMOE_NUMA
     int n = g_pool_threads;
-    if (n <= 0) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : int(std::thread::hardware_concurrency());
-      if (n <= 0) n = 1;
+    if (n <= 0) {  // one participant per allowed CPU (every group's CPUs together)
+      for (const auto& cpus : topology.node_cpus) n += static_cast<int>(cpus.size());
+      if (n <= 0) n = std::max(1, int(std::thread::hardware_concurrency()));
     }
     g_pool = std::make_shared<ThreadPool>(n, std::move(topology));
   }

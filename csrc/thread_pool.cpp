@@ -57,11 +57,7 @@ constexpr auto kPhaseSpin = std::chrono::microseconds(100);
 
 ThreadPool::ThreadPool(int threads, NumaTopology topology)
     : threads_(std::max(1, threads)), topology_(std::move(topology)) {
-  if (topology_.nodes() == 0) {
-    topology_.node_cpus.push_back(allowed_cpus());
-    topology_.memory_node.push_back(-1);
-    topology_.source = "single";
-  }
+  if (topology_.nodes() == 0) topology_ = numa_topology("off");
   for (int g = 0; g < topology_.nodes(); ++g)
     for (int c : topology_.node_cpus[g]) {
       if (c >= int(cpu_node_.size())) cpu_node_.resize(c + 1, -1);
@@ -83,7 +79,7 @@ ThreadPool::ThreadPool(int threads, NumaTopology topology)
   }
   std::sort(remainders.rbegin(), remainders.rend());
   for (int i = 0; given < threads_; ++i, ++given) ++quota[-remainders[i % nodes].second];
-  int caller = std::max(0, caller_node());
+  int caller = caller_node();
   if (quota[caller] == 0) caller = int(std::max_element(quota.begin(), quota.end()) - quota.begin());
   --quota[caller];
   for (int g = 0; g < nodes; ++g)
