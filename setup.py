@@ -23,21 +23,13 @@ SOURCES = [
     "numa.cpp",
     "numa_split.cpp",
 ]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"]
 ISA_SOURCES = {
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
-    "kernels_amx.cpp": [
-        "-mamx-tile",
-        "-mamx-bf16",
-        "-mamx-int8",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512vnni",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-    ],
+    "kernels_avx512.cpp": _AVX512,
+    "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", *_AVX512],
+    # kernels_amx.cpp again with its tile operations emulated: no AMX instruction in it
+    "kernels_amx_emu.cpp": _AVX512,
 }
 
 
@@ -63,7 +55,10 @@ if platform.machine().lower() in ("x86_64", "amd64"):
             "hetmoe._C",
             sorted(str(Path("csrc") / s) for s in [*SOURCES, *ISA_SOURCES]),
             # headers and the shared kernel bodies: a change to any of them rebuilds the extension
-            depends=sorted(str(p) for p in [*Path("csrc").glob("*.h"), *Path("csrc").glob("*.inc")]),
+            # (kernels_amx.cpp is also included by kernels_amx_emu.cpp)
+            depends=sorted(
+                str(p) for p in [*Path("csrc").glob("*.h"), *Path("csrc").glob("*.inc"), Path("csrc/kernels_amx.cpp")]
+            ),
             cxx_std=17,
             extra_compile_args=[
                 "-O3",

@@ -42,7 +42,12 @@ const KernelTable* table_for(const std::string& isa) {
       throw py::value_error("HETMOE_ISA=amx: this CPU lacks AMX-TILE/INT8/BF16, or the OS did not grant tile data");
     return amx_kernels();
   }
-  throw py::value_error("unknown ISA '" + isa + "': expected avx2, avx512, amx or auto");
+  if (isa == "amx-emu") {  // the AMX kernels on emulated tiles: for tests, any AVX-512 CPU
+    if (!f.can_avx512())
+      throw py::value_error("HETMOE_ISA=amx-emu: the tile emulator runs the AVX-512 unit's code; this CPU lacks it");
+    return amx_emu_kernels();
+  }
+  throw py::value_error("unknown ISA '" + isa + "': expected avx2, avx512, amx, amx-emu or auto");
 }
 
 std::string best_isa() {
@@ -114,9 +119,40 @@ PYBIND11_MODULE(_C, m) {
     d["os_ymm"] = f.os_ymm, d["os_zmm"] = f.os_zmm, d["os_amx"] = f.os_amx;
     d["amd"] = f.amd;
     d["can_avx2"] = f.can_avx2(), d["can_avx512"] = f.can_avx512(), d["can_amx"] = f.can_amx();
+    d["can_amx-emu"] = f.can_avx512();
     return d;
   });
   m.def("best_isa", &best_isa, "the best kernel variant this CPU runs ('' if none)");
+  m.def(
+      "tile_matmul",
+      [](const std::string& isa, uintptr_t w_ptr, uintptr_t x_ptr, int R, int T, int K, bool w_lo, bool x_lo,
+         uintptr_t c_ptr) {
+        // For tests (tests/test_amx.py): c [T, R] = x [T, K] . w [R, K]^T (fp32, contiguous) through one AMX
+        // variant's split, pack and tile GEMM, with or without each side's bf16 remainder.
+        const KernelTable* kt = table_for(isa);
+        if (!kt->amx_gemm) throw py::value_error("tile_matmul: '" + isa + "' has no tile kernels");
+        if (R <= 0 || T <= 0 || K <= 0 || K % 32) throw py::value_error("tile_matmul: R, T > 0, K a multiple of 32");
+        const float* w = reinterpret_cast<const float*>(w_ptr);
+        const float* x = reinterpret_cast<const float*>(x_ptr);
+        float* c = reinterpret_cast<float*>(c_ptr);
+        py::gil_scoped_release release;
+        std::vector<const float*> rows(T);
+        for (int t = 0; t < T; ++t) rows[t] = x + size_t(t) * K;
+        std::vector<uint16_t> xh(amx_packed_elems(T, K)), xl(amx_packed_elems(T, K));
+        kt->amx_pack(rows.data(), T, K, xh.data(), x_lo ? xl.data() : nullptr);
+        std::vector<float> panel(size_t(kAmxRows) * K);
+        std::vector<uint16_t> wh(panel.size()), wl(panel.size());
+        for (int r0 = 0; r0 < R; r0 += kAmxRows) {
+          const int n = std::min(kAmxRows, R - r0);
+          std::fill(panel.begin(), panel.end(), 0.f);
+          std::memcpy(panel.data(), w + size_t(r0) * K, size_t(n) * K * sizeof(float));
+          kt->amx_split(panel.data(), kAmxRows, K, wh.data(), w_lo ? wl.data() : nullptr);
+          kt->amx_gemm(wh.data(), w_lo ? wl.data() : nullptr, K, n, K, xh.data(), x_lo ? xl.data() : nullptr, T,
+                       c + r0, R);
+        }
+      },
+      py::arg("isa"), py::arg("w"), py::arg("x"), py::arg("rows"), py::arg("tokens"), py::arg("k"), py::arg("w_lo"),
+      py::arg("x_lo"), py::arg("c"));
   m.def(
       "select_isa",
       [](const std::string& isa) {

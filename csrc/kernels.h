@@ -130,7 +130,29 @@ struct KernelTable {
   void (*attn_prefill)(const float* const* q, int M, const int64_t* visible, const void* k, const void* v,
                        int kv_dtype, int Dk, int Dv, int64_t k_row, int64_t v_row, const float* const* mask,
                        float scale, float* const* out, float* scratch);
+
+  // ---- AMX tiles (kernels_amx.cpp; nullptr in the other units; tile_path.h drives them) ----
+  // T activation rows of K (a multiple of 32) as B tiles: bf16 hi, and lo = bf16(x - hi) unless
+  // lo is nullptr; amx_packed_elems(T, K) elements each.
+  void (*amx_pack)(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo);
+  // R rows of an fp32 panel [R, K] as row-major bf16 hi (and lo) rows.
+  void (*amx_split)(const float* panel, int R, int K, uint16_t* hi, uint16_t* lo);
+  // c[t * ldc + r] = dot(w[r], x[t]) for r < R (<= kAmxRows), t < T: w_hi x_hi + w_hi x_lo + w_lo x_hi,
+  // each lo term where it is given. w rows are w_stride elements apart, 16 * ceil(R / 16) readable.
+  void (*amx_gemm)(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int R, int K,
+                   const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c, int ldc);
+  // T activation rows of K (a multiple of 64) as int8 digit B tiles (hi and lo, amx_packed_elems(T, K)
+  // bytes each) and a scale per token (16 * ceil(T / 16) floats, 0 past T): kernels_amx.cpp.
+  void (*amx_pack_i8)(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, float* d);
+  // c[t * ldc + r] = w_scale[r] * dot(w[r], x[t]) for int8 rows (w_stride bytes apart, 16 * ceil(R / 16)
+  // readable), r < R (<= kAmxRows), over amx_pack_i8's digits.
+  void (*amx_gemm_i8)(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,
+                      const int8_t* x_lo, const float* x_scale, int T, float* c, int ldc);
 };
+
+constexpr int kAmxRows = 32;  // weight rows of one amx_gemm call: two A tiles
+// Elements of one amx_pack output: token tiles of 16, each K/32 tiles of 512 bf16.
+constexpr int64_t amx_packed_elems(int T, int K) { return int64_t((T + 15) / 16) * 16 * K; }
 
 // Floats of scratch attn_prefill needs: a block of 64 K and V rows in fp32, M x 64 scores, and a
 // running max and sum per row.
@@ -145,5 +167,8 @@ extern int g_prefetch_nta;
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();
 const KernelTable* amx_kernels();
+// The AMX unit with its tile operations emulated in scalar code (amx_tiles.h): runs on any CPU with
+// the AVX-512 unit's features; for tests, never chosen by "auto".
+const KernelTable* amx_emu_kernels();
 
 }  // namespace hetmoe

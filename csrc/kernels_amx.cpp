@@ -1,32 +1,34 @@
-// AMX-BF16 variant: the AVX-512 kernels, with the prefill GEMM on tiles (TDPBF16PS).
-// Compiled with -mamx-tile -mamx-bf16 -mamx-int8 plus the AVX-512 flags (setup.py); selected only
-// where CPUID reports AMX and the kernel granted this process tile data (cpu_features.cpp).
+// AMX variant: the AVX-512 kernels, with prefill GEMMs on AMX-BF16 tiles (TDPBF16PS).
+// Compiled with -mamx-tile -mamx-bf16 plus the AVX-512 flags (setup.py); selected only where CPUID
+// reports AMX and the kernel granted this process tile data (cpu_features.cpp). The same source,
+// compiled with HETMOE_AMX_EMULATED (kernels_amx_emu.cpp), runs its tile operations through the
+// scalar emulator in amx_tiles.h: the test-only variant "amx-emu".
 //
-// C[t][r] = sum_k a[t][k] * panel[r][k] as 16x16 fp32 tiles: A = 16 tokens x 32 k (bf16),
-// B = the panel block transposed into AMX's pair layout, B[k/2][2r + k%2] = panel[r][k].
-// Operands are rounded to bf16 (round to nearest even); accumulation stays fp32.
+// c[t][r] = dot(w[r], x[t]) with the weights as A tiles and the activations as B tiles:
+// - A: 16 weight rows x 32 k in bf16, which is the row-major layout weights already have, so a bf16
+//   weight's rows are tile rows as stored (tile loads with the row stride; nothing is repacked, at
+//   load or per call) and a dequantized panel is a row-major bf16 buffer;
+// - B: 32 k x 16 tokens in AMX's pair layout, B[kp][2n + i] = x[n][2kp + i], packed once per
+//   expert's tokens (or per token chunk of a linear) by amx_pack and reused for all its rows.
+// C is 16 rows x 16 tokens in fp32; four of them (32 rows x 32 tokens) live in tiles 0-3 across the
+// whole K loop, A in tiles 4-5, B in tiles 6-7 (all eight, configured per call: configure_tiles).
+//
+// Accuracy: a value v is split as hi = bf16(v) and lo = bf16(v - hi), and the product is
+// w_hi x_hi + w_hi x_lo + w_lo x_hi: each bf16 product is exact in fp32 and the dropped w_lo x_lo
+// and the rounding of the two lo terms are each below 2^-16 of the product, so the sum is as
+// accurate as an fp32 dot product (accumulation in fp32). Where a side is exactly bf16 (bf16
+// weights; bf16 activations) its lo term is absent and the pass is skipped: bf16 x bf16 is one pass.
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels.h"
 
 namespace hetmoe {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+#include "amx_tiles.h"
 
 // 16 fp32 -> 16 bf16, round to nearest even (finite inputs).
 inline __m256i to_bf16x16(__m512 v) {
@@ -35,60 +37,291 @@ inline __m256i to_bf16x16(__m512 v) {
   u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
+inline __m512 from_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-void gemm_panel_amx(const float* panel, int R, int K, const float* const* a, int T, float* c, int ldc) {
-  TileConfig cfg;
-  for (int i = 0; i < 3; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
+// hi = bf16(v), lo = bf16(v - hi) for 32 values at `src`, stored as 32 bf16 each.
+inline void split32(const float* src, uint16_t* hi, uint16_t* lo) {
+  for (int h = 0; h < 32; h += 16) {
+    const __m512 v = _mm512_loadu_ps(src + h);
+    const __m256i vh = to_bf16x16(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + h), vh);
+    if (lo) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + h), to_bf16x16(_mm512_sub_ps(v, from_bf16x16(vh))));
   }
-  _tile_loadconfig(&cfg);
-  alignas(64) uint16_t A[16][32];
-  alignas(64) uint16_t B[16][32];
-  alignas(64) float C[16][16];
-  for (int r0 = 0; r0 < R; r0 += 16) {
-    const int nr = R - r0 < 16 ? R - r0 : 16;
-    for (int t0 = 0; t0 < T; t0 += 16) {
-      const int nt = T - t0 < 16 ? T - t0 : 16;
-      _tile_zero(0);
-      for (int k0 = 0; k0 < K; k0 += 32) {
-        for (int t = 0; t < 16; ++t) {
-          if (t < nt) {
-            const float* src = a[t0 + t] + k0;
-            _mm256_store_si256(reinterpret_cast<__m256i*>(&A[t][0]), to_bf16x16(_mm512_loadu_ps(src)));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(&A[t][16]), to_bf16x16(_mm512_loadu_ps(src + 16)));
-          } else {
-            _mm512_store_si512(&A[t][0], _mm512_setzero_si512());
-          }
-        }
-        for (int kk = 0; kk < 32; kk += 2)
-          for (int r = 0; r < 16; ++r) {
-            const float* row = panel + int64_t(r0 + r) * K + k0 + kk;
-            B[kk / 2][2 * r] = r < nr ? to_bf16(row[0]) : 0;
-            B[kk / 2][2 * r + 1] = r < nr ? to_bf16(row[1]) : 0;
-          }
-        _tile_loadd(1, A, 64);
-        _tile_loadd(2, B, 64);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, C, 64);
-      for (int t = 0; t < nt; ++t)
-        for (int r = 0; r < nr; ++r) c[(t0 + t) * ldc + r0 + r] = C[t][r];
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit values: r[i][l] becomes r[l][i]. Four rounds
+// swap the off-diagonal blocks of 8, 4, 2 and 1 between rows i and i + b.
+inline void transpose16(__m512i r[16]) {
+  for (int b = 8; b >= 1; b /= 2) {
+    alignas(64) int32_t lo_idx[16], hi_idx[16];
+    for (int l = 0; l < 16; ++l) {
+      lo_idx[l] = (l & b) ? 16 + l - b : l;
+      hi_idx[l] = (l & b) ? 16 + l : l + b;
+    }
+    const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const __m512i a = r[i], c = r[i + b];
+      r[i] = _mm512_permutex2var_epi32(a, il, c);
+      r[i + b] = _mm512_permutex2var_epi32(a, ih, c);
     }
   }
-  _tile_release();
+}
+
+// Activation rows as B tiles (layout above): hi[(j * K/32 + s) * 512 ...] is the tile of tokens
+// [16j, 16j + 16) and k [32s, 32s + 32); tokens past T are zero. lo (optional) the same for the
+// remainders.
+void amx_pack(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo) {
+  const int S = K / 32, J = (T + 15) / 16;
+  alignas(64) uint16_t rows_hi[16][32], rows_lo[16][32];
+  for (int j = 0; j < J; ++j)
+    for (int s = 0; s < S; ++s) {
+      for (int n = 0; n < 16; ++n) {
+        const int t = 16 * j + n;
+        if (t < T) {
+          split32(a[t] + 32 * s, rows_hi[n], lo ? rows_lo[n] : nullptr);
+        } else {
+          std::memset(rows_hi[n], 0, 64);
+          std::memset(rows_lo[n], 0, 64);
+        }
+      }
+      // Token n's 16 pairs are dwords 0-15 of its row; the tile wants pair kp's 16 tokens in a row.
+      for (int part = 0; part < (lo ? 2 : 1); ++part) {
+        uint16_t(*src)[32] = part ? rows_lo : rows_hi;
+        uint16_t* dst = (part ? lo : hi) + (int64_t(j) * S + s) * 512;
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(src[n]);
+        transpose16(r);
+        for (int kp = 0; kp < 16; ++kp) _mm512_storeu_si512(dst + kp * 32, r[kp]);
+      }
+    }
+}
+
+// bf16 hi (and lo) rows of an fp32 panel: hi[r * K + k] = bf16(panel[r * K + k]), as split32.
+void amx_split(const float* panel, int R, int K, uint16_t* hi, uint16_t* lo) {
+  for (int64_t i = 0; i < int64_t(R) * K; i += 32) split32(panel + i, hi + i, lo ? lo + i : nullptr);
+}
+
+// All eight tiles 16 rows x 64 bytes. Loaded at each amx_gemm call and released at its end, never
+// assumed kept: other code on the same thread (torch's oneDNN kernels, on the caller thread that
+// helps the pool) configures and releases tiles too, and a tile instruction without a configuration
+// faults. LDTILECFG costs ~0.1% of one call's tile work.
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  tile_configure(cfg);
+}
+
+// C tiles (row group g, token tile b) to c[t * ldc + r], rows [r0, r0 + 16) clipped to R, tokens
+// [t0, t0 + 16) clipped to T.
+inline void store_c(const float (*tile)[16], int r0, int R, int t0, int T, float* c, int ldc) {
+  __m512i r[16];
+  for (int m = 0; m < 16; ++m) r[m] = _mm512_load_si512(tile[m]);
+  transpose16(r);  // r[n] = token n's 16 rows
+  const int rows = R - r0 < 16 ? R - r0 : 16;
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  for (int n = 0; n < 16 && t0 + n < T; ++n)
+    _mm512_mask_storeu_ps(c + int64_t(t0 + n) * ldc + r0, mask, _mm512_castsi512_ps(r[n]));
+}
+
+// c[t * ldc + r] = dot(w[r], x[t]) for r < R (<= 32), t < T, K a multiple of 32; the passes the
+// header describes. w_hi (and w_lo) rows are w_stride elements apart and 16 * ceil(R / 16) of them
+// must be readable (rows past R are computed and dropped). x_hi / x_lo: amx_pack's tiles.
+void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int R, int K, const uint16_t* x_hi,
+              const uint16_t* x_lo, int T, float* c, int ldc) {
+  configure_tiles();
+  const int S = K / 32, J = (T + 15) / 16;
+  const int64_t wb = w_stride * 2;
+  const bool two_rows = R > 16;
+  const uint16_t* w_hi1 = w_hi + 16 * w_stride;
+  const uint16_t* w_lo1 = w_lo ? w_lo + 16 * w_stride : nullptr;
+  alignas(64) float out[16][16];
+  for (int j = 0; j < J; j += 2) {
+    const bool two_tok = j + 1 < J;
+    const int64_t b0 = int64_t(j) * S * 512, b1 = b0 + int64_t(S) * 512;
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int s = 0; s < S; ++s) {
+      const int64_t k0 = 32 * s, bs = int64_t(s) * 512;
+      TILE_LOAD(4, w_hi + k0, wb);
+      if (two_rows) TILE_LOAD(5, w_hi1 + k0, wb);
+      TILE_LOAD(6, x_hi + b0 + bs, 64);
+      if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
+      TILE_DPBF16PS(0, 4, 6);
+      if (two_tok) TILE_DPBF16PS(1, 4, 7);
+      if (two_rows) TILE_DPBF16PS(2, 5, 6);
+      if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+      if (x_lo) {  // w_hi x_lo
+        TILE_LOAD(6, x_lo + b0 + bs, 64);
+        if (two_tok) TILE_LOAD(7, x_lo + b1 + bs, 64);
+        TILE_DPBF16PS(0, 4, 6);
+        if (two_tok) TILE_DPBF16PS(1, 4, 7);
+        if (two_rows) TILE_DPBF16PS(2, 5, 6);
+        if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+      }
+      if (w_lo) {  // w_lo x_hi
+        TILE_LOAD(4, w_lo + k0, wb);
+        if (two_rows) TILE_LOAD(5, w_lo1 + k0, wb);
+        if (x_lo) {
+          TILE_LOAD(6, x_hi + b0 + bs, 64);
+          if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
+        }
+        TILE_DPBF16PS(0, 4, 6);
+        if (two_tok) TILE_DPBF16PS(1, 4, 7);
+        if (two_rows) TILE_DPBF16PS(2, 5, 6);
+        if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+      }
+    }
+    TILE_STORE(0, out, 64);
+    store_c(out, 0, R, 16 * j, T, c, ldc);
+    if (two_tok) {
+      TILE_STORE(1, out, 64);
+      store_c(out, 0, R, 16 * j + 16, T, c, ldc);
+    }
+    if (two_rows) {
+      TILE_STORE(2, out, 64);
+      store_c(out, 16, R, 16 * j, T, c, ldc);
+      if (two_tok) {
+        TILE_STORE(3, out, 64);
+        store_c(out, 16, R, 16 * j + 16, T, c, ldc);
+      }
+    }
+  }
+  tile_release();
+}
+
+// ---- int8 weights (one fp32 scale a row) on TDPBSSD ----
+// The codes are A tiles as stored: 16 rows x 64 k of int8. Activations keep the int16-level accuracy
+// of the AVX-512 GEMVs: q = round(x / d) with d = amax / 32639 per token, split exactly into two int8
+// digits q = 256 * hi + lo (hi = (q + 128) >> 8, lo in [-128, 127]), and each digit is a B tile set
+// ([token tile j][64-k step s]: 16 rows kq of 16 tokens x 4 bytes, B[kq][4n + i] = digit[n][4kq + i]).
+// Two int32 accumulators, dot(w, hi) and dot(w, lo), are exact (|dot| <= 127 * 128 * K), and
+// c = scale_r * d_t * (256 * hi_dot + lo_dot) rounds once in fp32.
+constexpr float kDigitCodeMax = 32639.f;
+
+void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, float* d) {
+  const int S = K / 64, J = (T + 15) / 16;
+  alignas(64) int8_t rows_hi[16][64], rows_lo[16][64];
+  for (int j = 0; j < J; ++j) {
+    float inv[16];
+    for (int n = 0; n < 16; ++n) {
+      const int t = 16 * j + n;
+      float amax = 0.f;
+      if (t < T) {
+        __m512 m = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(a[t] + k)));
+        amax = _mm512_reduce_max_ps(m);
+      }
+      d[t] = amax > 0.f ? amax / kDigitCodeMax : 0.f;  // padding tokens (t >= T) get 0 too
+      inv[n] = amax > 0.f ? kDigitCodeMax / amax : 0.f;
+    }
+    for (int s = 0; s < S; ++s) {
+      for (int n = 0; n < 16; ++n) {
+        const int t = 16 * j + n;
+        if (t >= T) {
+          std::memset(rows_hi[n], 0, 64);
+          std::memset(rows_lo[n], 0, 64);
+          continue;
+        }
+        const __m512 scale = _mm512_set1_ps(inv[n]), lim = _mm512_set1_ps(kDigitCodeMax);
+        for (int h = 0; h < 64; h += 16) {
+          __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a[t] + 64 * s + h), scale);
+          v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));  // NaN -> -lim
+          const __m512i q = _mm512_cvtps_epi32(v);  // round to nearest even
+          const __m512i qh = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+          const __m512i ql = _mm512_sub_epi32(q, _mm512_slli_epi32(qh, 8));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rows_hi[n] + h), _mm512_cvtepi32_epi8(qh));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rows_lo[n] + h), _mm512_cvtepi32_epi8(ql));
+        }
+      }
+      // Token n's 16 dwords (4 digits each) to the tile's rows of 16 tokens, as amx_pack's pairs.
+      for (int part = 0; part < 2; ++part) {
+        int8_t(*src)[64] = part ? rows_lo : rows_hi;
+        int8_t* dst = (part ? lo : hi) + (int64_t(j) * S + s) * 1024;
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(src[n]);
+        transpose16(r);
+        for (int kq = 0; kq < 16; ++kq) _mm512_storeu_si512(dst + kq * 64, r[kq]);
+      }
+    }
+  }
+}
+
+// Tiles 0/1: rows 0-15 / 16-31 against hi digits, 2/3 the same against lo; A rows in 4/5, B in 6/7.
+// c[t * ldc + r] for r < R (<= 32), t < T; w rows w_stride bytes apart, 16 * ceil(R / 16) readable.
+void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,
+                 const int8_t* x_lo, const float* x_scale, int T, float* c, int ldc) {
+  configure_tiles();
+  const int S = K / 64, J = (T + 15) / 16;
+  const bool two_rows = R > 16;
+  alignas(64) int32_t acc[4][16][16];
+  for (int j = 0; j < J; ++j) {
+    const int64_t b0 = int64_t(j) * S * 1024;
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int s = 0; s < S; ++s) {
+      TILE_LOAD(4, w + 64 * s, w_stride);
+      if (two_rows) TILE_LOAD(5, w + 16 * w_stride + 64 * s, w_stride);
+      TILE_LOAD(6, x_hi + b0 + int64_t(s) * 1024, 64);
+      TILE_LOAD(7, x_lo + b0 + int64_t(s) * 1024, 64);
+      TILE_DPBSSD(0, 4, 6);
+      TILE_DPBSSD(2, 4, 7);
+      if (two_rows) {
+        TILE_DPBSSD(1, 5, 6);
+        TILE_DPBSSD(3, 5, 7);
+      }
+    }
+    TILE_STORE(0, acc[0], 64);
+    TILE_STORE(2, acc[2], 64);
+    if (two_rows) {
+      TILE_STORE(1, acc[1], 64);
+      TILE_STORE(3, acc[3], 64);
+    }
+    const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
+    for (int g = 0; g < (two_rows ? 2 : 1); ++g) {
+      alignas(64) float out[16][16];
+      for (int m = 0; m < 16; ++m) {
+        const int r = 16 * g + m;
+        const float sr = r < R ? w_scale[r] : 0.f;
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[g][m])), _mm512_set1_ps(256.f),
+                                         _mm512_cvtepi32_ps(_mm512_load_si512(acc[g + 2][m])));
+        _mm512_store_ps(out[m], _mm512_mul_ps(v, _mm512_mul_ps(dt, _mm512_set1_ps(sr))));
+      }
+      store_c(out, 16 * g, R, 16 * j, T, c, ldc);
+    }
+  }
+  tile_release();
 }
 
 KernelTable make_table() {
   KernelTable t = *avx512_kernels();
+#ifdef HETMOE_AMX_EMULATED
+  t.name = "amx-emu";
+#else
   t.name = "amx";
-  t.gemm_panel = gemm_panel_amx;
+#endif
+  t.amx_pack = amx_pack;
+  t.amx_split = amx_split;
+  t.amx_gemm = amx_gemm;
+  t.amx_pack_i8 = amx_pack_i8;
+  t.amx_gemm_i8 = amx_gemm_i8;
   return t;
 }
 
 }  // namespace
 
+#ifdef HETMOE_AMX_EMULATED
+const KernelTable* amx_emu_kernels() {
+#else
 const KernelTable* amx_kernels() {
+#endif
   static const KernelTable table = make_table();
   return &table;
 }

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "moe_engine.h"  // global_pool()
+#include "tile_path.h"
 
 namespace hetmoe {
 namespace {
@@ -88,6 +89,11 @@ class LinearJob final : public Job {
         for (int i = 0; i < n; ++i) acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
         kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
       }
+    } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens packed once for all the item's rows
+      std::vector<const float*> rows(nt);
+      for (int i = 0; i < nt; ++i) rows[i] = x_row(t0 + i);
+      const engine::TileActs x = engine::tile_pack(kt_, rows.data(), nt, K_, x_dtype_ != kBF16Data, w_, w_);
+      engine::tile_rows(kt_, w_, 0, first, last, x, block, rows_);
     } else if (w_.method == kBF16 && x_dtype_ == kBF16Data && bf16_dot(kt_)) {  // bf16 rows, bf16 x: VDPBF16PS
       std::vector<const uint16_t*> rows(nt);
       for (int i = 0; i < nt; ++i) rows[i] = static_cast<const uint16_t*>(x_) + size_t(t0 + i) * K_;

@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "tile_path.h"
 
 namespace hetmoe {
 namespace {
@@ -16,6 +17,9 @@ using engine::ActBuffers;
 using engine::f32_to_bf16;
 using engine::item_rows;
 using engine::sized;
+using engine::tile_gemm;
+using engine::tile_pack;
+using engine::tile_rows;
 using engine::uninit;
 
 // Per-worker scratch for the GEMM path (dequantized panels, the up-projection block).
@@ -54,10 +58,13 @@ class MoEJob final : public Job {
     // A bf16 model's bf16 experts: GEMM-path experts take VDPBF16PS on the bf16 rows, the
     // intermediate rounded to bf16 first (as the model's own bf16 MLP rounds it).
     // (Only where some expert takes the GEMM path: a decode step skips the bf16 copy and its phase.)
-    const bool dot = x_dtype_ == kBF16Data && bf16_dot(kt) && !active_.empty() && active_[0].count > gemv_max;
+    const bool gemm = !active_.empty() && active_[0].count > gemv_max;
+    // On AMX tiles a bf16 model's intermediate is rounded to bf16 for a bf16 down projection the same
+    // way, so that it is one tile pass.
+    const bool dot = x_dtype_ == kBF16Data && (bf16_dot(kt) || tile_gemm(kt)) && gemm;
     bf16_up_ = dot && gate.method == kBF16 && up.method == kBF16;
     bf16_down_ = dot && down.method == kBF16;
-    if (bf16_down_) hb_.reset(new uint16_t[size_t(S_) * I]);
+    if (bf16_down_ && !tile_gemm(kt)) hb_.reset(new uint16_t[size_t(S_) * I]);  // tiles round as they pack
     ybuf_ = uninit<float>(size_t(S_) * H);
   }
 
@@ -69,7 +76,7 @@ class MoEJob final : public Job {
       case 1:  // gate and up, then SiLU * up, by (node, expert, block of rows of I)
         return up_items_.phase([this](int i, int) { gate_up(i); });
       case 2:  // the intermediate activations quantized for an integer down projection (or to bf16)
-        return {h_act_.mode != kActNone || bf16_down_ ? S_ : 0, [this](int s, int) { prepare_h(s); }};
+        return {h_act_.mode != kActNone || hb_ ? S_ : 0, [this](int s, int) { prepare_h(s); }};
       case 3:  // down, by (node, expert, block of rows of H)
         return down_items_.phase([this](int i, int) { down(i); });
       case 4:  // weighted sum of each token's expert outputs
@@ -119,7 +126,7 @@ class MoEJob final : public Job {
   void prepare_h(int s) {
     const float* h = h_.get() + size_t(s) * I_;
     h_act_.quantize(kt_, h, s);
-    if (bf16_down_) kt_->f32_to_bf16(h, hb_.get() + size_t(s) * I_, I_);
+    if (hb_) kt_->f32_to_bf16(h, hb_.get() + size_t(s) * I_, I_);
   }
 
   static const uint16_t* bf16_row(const Proj& p, int e, int n) {
@@ -163,7 +170,23 @@ class MoEJob final : public Job {
     // two long streams (Zen 5, 1-token int4 decode from DRAM: 0.672 -> 0.620 ms, in-process A/B; int8
     // level). More tokens go a panel at a time, so a panel's rows stay in cache for the token groups.
     if (a.count <= kGemvTokens && a.count <= gemv_max_) return gate_up_panel(a, first, last);
+    if (a.count > gemv_max_ && tile_gemm(kt_)) return gate_up_tiles(a, first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) gate_up_panel(a, n0, std::min(last, n0 + kPanelRows));
+  }
+
+  // AMX: the expert's tokens packed once for the item, then gate and up kAmxRows rows at a time.
+  void gate_up_tiles(const ActiveExpert& a, int first, int last) {
+    std::vector<const float*> rows(a.count);
+    for (int i = 0; i < a.count; ++i) rows[i] = x_row(slot_token_[a.first_slot + i]);
+    const engine::TileActs x = tile_pack(kt_, rows.data(), a.count, H_, x_dtype_ != kBF16Data, gate_, up_);
+    float* up_block = sized(tl_scratch.block, size_t(a.count) * kAmxRows);
+    for (int n0 = first; n0 < last; n0 += kAmxRows) {
+      const int n1 = std::min(last, n0 + kAmxRows);
+      float* g = h_.get() + size_t(a.first_slot) * I_ + n0;
+      tile_rows(kt_, gate_, a.expert, n0, n1, x, g, I_);
+      tile_rows(kt_, up_, a.expert, n0, n1, x, up_block, kAmxRows);
+      activate(a.expert, n0, n1 - n0, g, I_, up_block, kAmxRows, a.count);
+    }
   }
 
   void gate_up_panel(const ActiveExpert& a, int n0, int n1) {
@@ -212,7 +235,19 @@ class MoEJob final : public Job {
     int active, first, last;
     down_items_.locate(item, active, first, last);
     const ActiveExpert& a = active_[active];
+    if (a.count > gemv_max_ && tile_gemm(kt_)) return down_tiles(a, first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) down_panel(a, n0, std::min(last, n0 + kPanelRows));
+  }
+
+  // AMX: the expert's intermediate rows packed once for the item.
+  void down_tiles(const ActiveExpert& a, int first, int last) {
+    std::vector<const float*> rows(a.count);
+    for (int i = 0; i < a.count; ++i) rows[i] = h_.get() + size_t(a.first_slot + i) * I_;
+    // Packed without remainders, the rows are rounded to bf16 as f32_to_bf16 rounds them (hb_).
+    const engine::TileActs x = tile_pack(kt_, rows.data(), a.count, I_, !bf16_down_, down_, down_);
+    float* out = ybuf_.get() + size_t(a.first_slot) * H_ + first;
+    tile_rows(kt_, down_, a.expert, first, last, x, out, H_);
+    add_down_bias(a, first, last - first, out);
   }
 
   void down_panel(const ActiveExpert& a, int n0, int n1) {

@@ -26,3 +26,32 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# A GEMM on AMX tiles (csrc/kernels_amx.cpp) splits each fp32 operand into bf16 hi + lo and sums
+# w_hi x_hi + w_hi x_lo + w_lo x_hi: the dropped w_lo x_lo and the bf16 rounding of the two lo terms
+# are each at most 2^-18 of a product, so one GEMM's relative error stays below 3 * 2^-18 (1.1e-5)
+# where an fp32 GEMM's is ~1e-7; a MoE layer chains two (gate/up, then down).
+TILE_GEMM_BOUND = 3 * 2.0**-18
+TILE_ISAS = ("amx", "amx-emu")
+
+
+def engine_isas(variants: tuple[str, ...] = ("avx2", "avx512", "amx", "amx-emu")) -> list[str]:
+    """The kernel variants of ``variants`` this CPU runs: the AMX unit where the CPU has AMX, and its
+    tile emulator ("amx-emu") wherever the AVX-512 unit runs."""
+    from hetmoe.kernels.dispatch import engine_module
+
+    feats = engine_module().cpu_features()
+    return [isa for isa in variants if feats[f"can_{isa}"]]
+
+
+@pytest.fixture
+def keep_isa():
+    """Puts back the variant selected before the test (HETMOE_ISA's, or the best): a test that selects
+    one never changes the variant of the tests after it."""
+    from hetmoe.kernels import select_isa
+    from hetmoe.kernels.dispatch import selected_isa
+
+    before = selected_isa()
+    yield
+    select_isa(before)

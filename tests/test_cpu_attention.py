@@ -90,12 +90,11 @@ def _isas() -> list[str]:
 
 
 @pytest.fixture(params=_isas())
-def isa(request):
+def isa(request, keep_isa):
     from hetmoe.kernels import select_isa
 
     select_isa(request.param)
-    yield request.param
-    select_isa("auto")
+    return request.param
 
 
 @pytest.mark.parametrize(("h", "kv", "dim"), [(8, 8, 64), (8, 2, 128), (4, 1, 32)])

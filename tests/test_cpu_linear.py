@@ -11,10 +11,11 @@ import math
 
 import pytest
 import torch
+from conftest import TILE_GEMM_BOUND, TILE_ISAS, engine_isas
 
 from hetmoe.formats import QuantizedTensor, get_codec, snr_db
 from hetmoe.kernels import select_isa
-from hetmoe.kernels.dispatch import engine_module
+from hetmoe.kernels.dispatch import selected_isa
 from hetmoe.runtime.cpu_linear import CPULinear
 from hetmoe.runtime.fused_linears import FusedSlice
 
@@ -27,14 +28,10 @@ TOKENS = (1, 3, 7, 64, 300)
 
 
 def _isas() -> list[str]:
-    feats = engine_module().cpu_features()
-    return [isa for isa in ("avx2", "avx512") if feats[f"can_{isa}"]]
+    return engine_isas()
 
 
-@pytest.fixture(autouse=True)
-def _restore_isa():
-    yield
-    select_isa("auto")
+pytestmark = pytest.mark.usefixtures("keep_isa")
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +58,27 @@ def test_matches_dequantized_reference(weight, method: str, isa: str) -> None:
     lin = CPULinear(q, b)
     plain = CPULinear(q)
     assert lin.isa == isa and (lin.in_features, lin.out_features, lin.method) == (K, N, method)
+    bound = FP32_BOUND.get(method, INT_BOUND)
+    if isa in TILE_ISAS:  # the GEMM path (the larger token counts) on tiles: one split GEMM
+        bound = max(bound, TILE_GEMM_BOUND)
     gen = torch.Generator().manual_seed(1)
     for t in TOKENS:
         x = torch.randn(t, K, generator=gen)
         ref = x.double() @ deq.T
-        assert _rel(plain(x), ref) < FP32_BOUND.get(method, INT_BOUND), (t, "no bias")
+        assert _rel(plain(x), ref) < bound, (t, "no bias")
         y = lin(x)
         assert y.dtype == torch.float32 and y.shape == (t, N)
-        assert _rel(y, ref + b.double()) < FP32_BOUND.get(method, INT_BOUND), t
+        assert _rel(y, ref + b.double()) < bound, t
         xb = x.bfloat16()
         yb = lin(xb)
         assert yb.dtype == torch.bfloat16
         assert _rel(yb, xb.double() @ deq.T + b.double()) < BF16_BOUND, (t, "bf16")
+
+
+def _int8_gemm_bound() -> float:
+    """int8 rows on the GEMM path: fp32 math on dequantized panels, or on AMX int8 tiles against
+    activations as int16 codes per token (the GEMVs' accuracy; they quantize per block of 32)."""
+    return INT_BOUND if selected_isa() in TILE_ISAS else 1e-5
 
 
 def test_gemv_and_gemm_paths_agree_and_leading_dims(weight) -> None:
@@ -83,7 +89,7 @@ def test_gemv_and_gemm_paths_agree_and_leading_dims(weight) -> None:
     gemv, gemm = CPULinear(q, b, gemv_max_tokens=8), CPULinear(q, b, gemv_max_tokens=0)
     x = torch.randn(7, K, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ gemv.dequantized().double().T + b.double()
-    assert _rel(gemv(x), ref) < INT_BOUND and _rel(gemm(x), ref) < 1e-5
+    assert _rel(gemv(x), ref) < INT_BOUND and _rel(gemm(x), ref) < _int8_gemm_bound()
     x3 = x[:6].reshape(2, 3, K)
     assert torch.equal(gemm(x3), gemm(x[:6]).reshape(2, 3, N))
     y16 = gemm(x.half())
@@ -98,7 +104,7 @@ def test_few_rows_split_the_tokens_too() -> None:
     lin = CPULinear(w, b, "int8")
     for t in (5, 64, 301):
         x = torch.randn(t, K, generator=g)
-        assert _rel(lin(x), x.double() @ lin.dequantized().double().T + b.double()) < 1e-5, t
+        assert _rel(lin(x), x.double() @ lin.dequantized().double().T + b.double()) < _int8_gemm_bound(), t
 
 
 def test_float_weight_is_quantized_and_async_matches(weight) -> None:

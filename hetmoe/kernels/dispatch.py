@@ -59,7 +59,11 @@ def engine_module() -> ModuleType:
 
 
 def select_isa(isa: str) -> str:
-    """Select ``avx2``, ``avx512``, ``amx`` or ``auto`` for engines created from now on."""
+    """Select ``avx2``, ``avx512``, ``amx`` or ``auto`` for engines created from now on. ``auto`` is
+    ``HETMOE_ISA`` where it is set, else the best variant. (``amx-emu``, the AMX kernels on emulated
+    tiles, exists for tests: it is slow and never chosen by ``auto``.)"""
+    if isa.strip().lower() == "auto":
+        isa = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
     return engine_module().select_isa(isa)
 
 

@@ -1,0 +1,131 @@
+// The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
+// MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
+// weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and so
+// are int8 codes (on int8 tiles, amx_gemm_i8); every other method is dequantized to an fp32 panel by
+// its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps fp32 accuracy:
+// kernels_amx.cpp).
+//
+// Compiled with the baseline flags only, like engine_common.h.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace hetmoe {
+namespace engine {
+
+inline bool tile_gemm(const KernelTable* kt) { return kt->amx_gemm != nullptr; }
+
+// int8 rows with one fp32 scale a row (and K a multiple of 64) run on TDPBSSD against int8 digits of
+// the activations (amx_gemm_i8); every other method on bf16 tiles.
+inline bool tile_int8(const KernelTable* kt, const Proj& p) {
+  return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
+}
+
+// Per-worker buffers: packed activations, a dequantized panel and its bf16 rows.
+struct TileScratch {
+  std::vector<uint16_t> x_hi, x_lo, w_hi, w_lo;
+  std::vector<int8_t> q_hi, q_lo;
+  std::vector<float> panel, q_d;
+};
+inline thread_local TileScratch tl_tile;
+
+template <typename T>
+T* grown(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Activations packed for amx_gemm (bf16 hi, lo) and amx_gemm_i8 (digits, scales), in the calling
+// thread's scratch (valid until its next pack).
+struct TileActs {
+  const uint16_t* hi = nullptr;
+  const uint16_t* lo = nullptr;  // nullptr: the rows are exactly bf16
+  const int8_t* q_hi = nullptr;
+  const int8_t* q_lo = nullptr;
+  const float* q_d = nullptr;
+  int T = 0;
+};
+
+// `rows` (T of K fp32 values) in the forms the projections `a` and `b` read (tile_int8 or not);
+// with_lo: keep each value's remainder after bf16 rounding (leave it out only for rows that are
+// exactly bf16).
+inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T, int K, bool with_lo, const Proj& a,
+                          const Proj& b) {
+  const size_t n = size_t(amx_packed_elems(T, K));
+  TileActs x;
+  x.T = T;
+  if (!tile_int8(kt, a) || !tile_int8(kt, b)) {
+    uint16_t* hi = grown(tl_tile.x_hi, n);
+    uint16_t* lo = with_lo ? grown(tl_tile.x_lo, n) : nullptr;
+    kt->amx_pack(rows, T, K, hi, lo);
+    x.hi = hi;
+    x.lo = lo;
+  }
+  if (tile_int8(kt, a) || tile_int8(kt, b)) {
+    int8_t* hi = grown(tl_tile.q_hi, n);
+    int8_t* lo = grown(tl_tile.q_lo, n);
+    float* d = grown(tl_tile.q_d, size_t(T + 15) / 16 * 16);
+    kt->amx_pack_i8(rows, T, K, hi, lo, d);
+    x.q_hi = hi;
+    x.q_lo = lo;
+    x.q_d = d;
+  }
+  return x;
+}
+
+// Rows [r0, r0 + R) of expert e as stored, `bytes` a row: where a tile would read past them (R short of
+// the 16-row tile), a copy beside zero rows in `tail`; `stride` becomes the copy's.
+inline const uint8_t* tile_rows_as_stored(const Proj& p, int e, int r0, int R, int padded, int64_t bytes,
+                                          std::vector<uint8_t>& tail, int64_t& stride) {
+  const uint8_t* w = p.w + e * p.w_estride + int64_t(r0) * p.w_rstride;
+  stride = p.w_rstride;
+  if (R == padded) return w;
+  uint8_t* copy = grown(tail, size_t(padded) * bytes);
+  for (int r = 0; r < R; ++r) std::memcpy(copy + r * bytes, w + r * p.w_rstride, bytes);
+  std::memset(copy + R * bytes, 0, size_t(padded - R) * bytes);
+  stride = bytes;
+  return copy;
+}
+
+// c[t * ldc + (n - n0)] = dot(W_e[n], x_t) for rows [n0, n1) of one projection, t < x.T.
+inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n1, const TileActs& x, float* c,
+                      int ldc) {
+  thread_local std::vector<uint8_t> tail;
+  const int K = p.k;
+  for (int r0 = n0; r0 < n1; r0 += kAmxRows) {
+    const int r1 = std::min(n1, r0 + kAmxRows), R = r1 - r0;
+    const int padded = R > 16 ? kAmxRows : 16;  // the kernels read whole A tiles of 16 rows
+    float* out = c + (r0 - n0);
+    int64_t stride = 0;
+    if (tile_int8(kt, p)) {
+      const uint8_t* w = tile_rows_as_stored(p, e, r0, R, padded, K, tail, stride);
+      float scale[kAmxRows];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* s = p.s + e * p.s_estride + int64_t(r0 + r) * p.s_rstride;
+        std::memcpy(&scale[r], s, sizeof(float));
+      }
+      kt->amx_gemm_i8(reinterpret_cast<const int8_t*>(w), stride, scale, R, K, x.q_hi, x.q_lo, x.q_d, x.T, out, ldc);
+      continue;
+    }
+    if (p.method == kBF16) {
+      const uint8_t* w = tile_rows_as_stored(p, e, r0, R, padded, int64_t(K) * 2, tail, stride);
+      kt->amx_gemm(reinterpret_cast<const uint16_t*>(w), nullptr, stride / 2, R, K, x.hi, x.lo, x.T, out, ldc);
+      continue;
+    }
+    float* panel = grown(tl_tile.panel, size_t(padded) * K);
+    for (int q0 = r0; q0 < r1; q0 += kPanelRows)  // dequant_rows takes at most kPanelRows rows
+      kt->dequant_rows[p.method](p, e, q0, std::min(r1, q0 + kPanelRows), panel + size_t(q0 - r0) * K);
+    std::memset(panel + size_t(R) * K, 0, size_t(padded - R) * K * sizeof(float));
+    uint16_t* hi = grown(tl_tile.w_hi, size_t(padded) * K);
+    uint16_t* lo = grown(tl_tile.w_lo, size_t(padded) * K);
+    kt->amx_split(panel, padded, K, hi, lo);
+    kt->amx_gemm(hi, lo, K, R, K, x.hi, x.lo, x.T, out, ldc);
+  }
+}
+
+}  // namespace engine
+}  // namespace hetmoe

@@ -1,0 +1,131 @@
+"""The AMX tile kernels (csrc/kernels_amx.cpp) and their scalar tile emulator (csrc/amx_tiles.h).
+
+- The emulated variant ("amx-emu", any CPU with AVX-512) against a numpy model of the same arithmetic
+  written from the Intel SDM (bf16 hi/lo split, TDPBF16PS's even and odd fp32 chains per row
+  element, summed and added to the accumulator): bit for bit.
+- Where the CPU has AMX, the hardware variant against the emulated one: bit for bit, for the tile
+  GEMM alone and for whole MoE layers and linears in every method.
+- Both against float64: the split's arithmetic bound (below).
+"""
+
+import numpy as np
+import pytest
+import torch
+from conftest import engine_isas
+
+from hetmoe.formats import get_codec
+from hetmoe.kernels import select_isa
+from hetmoe.kernels.dispatch import engine_module
+from hetmoe.runtime import CPUExperts
+from hetmoe.runtime.cpu_linear import CPULinear
+
+TILE_ISAS = [isa for isa in engine_isas() if isa in ("amx", "amx-emu")]
+HAS_AMX = "amx" in TILE_ISAS
+pytestmark = [
+    pytest.mark.skipif(not TILE_ISAS, reason="the tile kernels need the AVX-512 unit (the emulator runs on it)"),
+    pytest.mark.usefixtures("keep_isa"),
+]
+SHAPES = [(1, 1, 32), (13, 5, 64), (45, 37, 128), (32, 16, 96), (70, 33, 64)]  # rows, tokens, K: tails of both
+
+
+def _tile_matmul(isa: str, w: torch.Tensor, x: torch.Tensor, w_lo: bool, x_lo: bool) -> torch.Tensor:
+    w, x = w.float().contiguous(), x.float().contiguous()
+    c = torch.empty(x.shape[0], w.shape[0])
+    engine_module().tile_matmul(isa, w.data_ptr(), x.data_ptr(), w.shape[0], x.shape[0], w.shape[1], w_lo, x_lo,
+                                c.data_ptr())  # fmt: skip
+    return c
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """Round fp32 to the nearest bf16 (ties to even), as fp32."""
+    return torch.from_numpy(a).bfloat16().float().numpy()
+
+
+def _sdm_reference(w: np.ndarray, x: np.ndarray, w_lo: bool, x_lo: bool) -> np.ndarray:
+    """c [T, R] as the kernel computes it: per 32-k step the passes w_hi x_hi, w_hi x_lo, w_lo x_hi,
+    each one TDPBF16PS: per (row, token), an fp32 chain over the even k of the step's 16 pairs and
+    one over the odd k, then c += even + odd. bf16 products are exact in fp32, so numpy's fp32 adds
+    of them are the FMAs' single roundings. (No value here is near fp32's denormals, where the
+    instruction's DAZ/FTZ would matter.)"""
+    w_hi, x_hi = _bf16(w), _bf16(x)
+    passes = [(w_hi, x_hi)]
+    if x_lo:
+        passes.append((w_hi, _bf16(x - x_hi)))
+    if w_lo:
+        passes.append((_bf16(w - w_hi), x_hi))
+    R, K = w.shape
+    c = np.zeros((R, x.shape[0]), np.float32)
+    for k0 in range(0, K, 32):
+        for a, b in passes:
+            even = np.zeros_like(c)
+            odd = np.zeros_like(c)
+            for kp in range(16):
+                ke, ko = k0 + 2 * kp, k0 + 2 * kp + 1
+                even = even + np.outer(a[:, ke], b[:, ke]).astype(np.float32)
+                odd = odd + np.outer(a[:, ko], b[:, ko]).astype(np.float32)
+            c = c + (even + odd)
+    return c.T
+
+
+def _data(R: int, T: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(R, K, generator=g), torch.randn(T, K, generator=g) * 3
+
+
+@pytest.mark.parametrize(("R", "T", "K"), SHAPES)
+@pytest.mark.parametrize(("w_lo", "x_lo"), [(True, True), (False, True), (True, False), (False, False)])
+def test_emulator_is_the_sdm_arithmetic(R: int, T: int, K: int, w_lo: bool, x_lo: bool) -> None:
+    w, x = _data(R, T, K, seed=R * T)
+    got = _tile_matmul("amx-emu", w, x, w_lo, x_lo).numpy()
+    want = _sdm_reference(w.numpy(), x.numpy(), w_lo, x_lo)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the hardware variant is not run here")
+@pytest.mark.parametrize(("R", "T", "K"), [*SHAPES, (96, 200, 2048)])
+@pytest.mark.parametrize(("w_lo", "x_lo"), [(True, True), (False, False)])
+def test_hardware_tiles_equal_the_emulator(R: int, T: int, K: int, w_lo: bool, x_lo: bool) -> None:
+    w, x = _data(R, T, K, seed=R + T)
+    assert torch.equal(_tile_matmul("amx", w, x, w_lo, x_lo), _tile_matmul("amx-emu", w, x, w_lo, x_lo))
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize(("R", "T", "K"), SHAPES)
+def test_split_keeps_fp32_accuracy(isa: str, R: int, T: int, K: int) -> None:
+    """Against float64, per element, relative to sum_k |w x|: the split drops w_lo x_lo and rounds
+    both lo terms to bf16, each at most 2^-18 of a product (3 * 2^-18 in all), and the fp32 chains
+    add at most K/2 + 2 roundings of 2^-24 each (their partial sums never exceed sum |w x|)."""
+    w, x = _data(R, T, K, seed=7 * R + T)
+    got = _tile_matmul(isa, w, x, True, True).double()
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    bound = 3 * 2.0**-18 + (K / 2 + 2) * 2.0**-24
+    assert float(((got - ref).abs() / scale).max()) <= bound
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the hardware variant is not run here")
+@pytest.mark.parametrize("method", ["bf16", "int8", "int4", "mxfp4", "fp8", "gguf:q4_k", "gguf:q8_0"])
+def test_engines_on_hardware_tiles_equal_the_emulator(method: str) -> None:
+    """Whole MoE layers (every expert on the tile path) and linears, hardware against emulator."""
+    E, H, I, T = 4, 512, 256, 40  # noqa: E741
+    g = torch.Generator().manual_seed(5)
+    codec = get_codec(method)
+    weights = [codec.quantize(torch.randn(*s, generator=g) * 0.05) for s in ((E, I, H), (E, I, H), (E, H, I))]
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    rw = torch.rand(T, 2, generator=g)
+    out = {}
+    for isa in ("amx", "amx-emu"):
+        select_isa(isa)
+        moe = CPUExperts(*weights, gemv_max_tokens=0)
+        lin = CPULinear(codec.quantize(torch.randn(80, H, generator=torch.Generator().manual_seed(6)) * 0.05),
+                        gemv_max_tokens=0)  # fmt: skip
+        assert moe.isa == isa
+        out[isa] = (moe.forward(x, ids, rw), moe.forward(x.bfloat16(), ids, rw), lin(x), lin(x.bfloat16()))
+    for a, b in zip(out["amx"], out["amx-emu"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_auto_never_selects_the_emulator() -> None:
+    assert engine_module().best_isa() != "amx-emu"
+    assert select_isa("auto") != "amx-emu"
