@@ -27,9 +27,9 @@ _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-
 ISA_SOURCES = {
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": _AVX512,
-    "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", *_AVX512],
+    "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512bf16", *_AVX512],
     # kernels_amx.cpp again with its tile operations emulated: no AMX instruction in it
-    "kernels_amx_emu.cpp": _AVX512,
+    "kernels_amx_emu.cpp": ["-mavx512bf16", *_AVX512],
 }
 
 

@@ -42,9 +42,10 @@ const KernelTable* table_for(const std::string& isa) {
       throw py::value_error("HETMOE_ISA=amx: this CPU lacks AMX-TILE/INT8/BF16, or the OS did not grant tile data");
     return amx_kernels();
   }
-  if (isa == "amx-emu") {  // the AMX kernels on emulated tiles: for tests, any AVX-512 CPU
-    if (!f.can_avx512())
-      throw py::value_error("HETMOE_ISA=amx-emu: the tile emulator runs the AVX-512 unit's code; this CPU lacks it");
+  if (isa == "amx-emu") {  // the AMX kernels on emulated tiles: for tests, any AVX-512 CPU with BF16
+    if (!f.can_avx512() || !f.avx512bf16)
+      throw py::value_error("HETMOE_ISA=amx-emu: the tile emulator runs the AMX unit's AVX-512 (and AVX512-BF16) code; "
+                            "this CPU lacks it");
     return amx_emu_kernels();
   }
   throw py::value_error("unknown ISA '" + isa + "': expected avx2, avx512, amx, amx-emu or auto");
@@ -119,7 +120,7 @@ PYBIND11_MODULE(_C, m) {
     d["os_ymm"] = f.os_ymm, d["os_zmm"] = f.os_zmm, d["os_amx"] = f.os_amx;
     d["amd"] = f.amd;
     d["can_avx2"] = f.can_avx2(), d["can_avx512"] = f.can_avx512(), d["can_amx"] = f.can_amx();
-    d["can_amx-emu"] = f.can_avx512();
+    d["can_amx-emu"] = f.can_avx512() && f.avx512bf16;
     return d;
   });
   m.def("best_isa", &best_isa, "the best kernel variant this CPU runs ('' if none)");
@@ -139,7 +140,7 @@ PYBIND11_MODULE(_C, m) {
         std::vector<const float*> rows(T);
         for (int t = 0; t < T; ++t) rows[t] = x + size_t(t) * K;
         std::vector<uint16_t> xh(amx_packed_elems(T, K)), xl(amx_packed_elems(T, K));
-        kt->amx_pack(rows.data(), T, K, xh.data(), x_lo ? xl.data() : nullptr);
+        kt->amx_pack(rows.data(), T, K, kOrderNatural, xh.data(), x_lo ? xl.data() : nullptr);
         std::vector<float> panel(size_t(kAmxRows) * K);
         std::vector<uint16_t> wh(panel.size()), wl(panel.size());
         for (int r0 = 0; r0 < R; r0 += kAmxRows) {

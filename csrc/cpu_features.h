@@ -13,7 +13,7 @@ struct CpuFeatures {
 
   bool can_avx2() const { return avx2 && fma && f16c && os_ymm; }
   bool can_avx512() const { return can_avx2() && avx512f && avx512bw && avx512vl && avx512vnni && os_zmm; }
-  bool can_amx() const { return can_avx512() && amx_tile && amx_bf16 && amx_int8 && os_amx; }
+  bool can_amx() const { return can_avx512() && avx512bf16 && amx_tile && amx_bf16 && amx_int8 && os_amx; }
 };
 
 // Detected once; the AMX permission request happens on first call.

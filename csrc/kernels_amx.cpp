@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -29,6 +30,8 @@ namespace hetmoe {
 namespace {
 
 #include "amx_tiles.h"
+
+enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2 };  // code - 8, code - z[g], E2M1
 
 // 16 fp32 -> 16 bf16, round to nearest even (finite inputs).
 inline __m256i to_bf16x16(__m512 v) {
@@ -39,13 +42,21 @@ inline __m256i to_bf16x16(__m512 v) {
 }
 inline __m512 from_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-// hi = bf16(v), lo = bf16(v - hi) for 32 values at `src`, stored as 32 bf16 each.
-inline void split32(const float* src, uint16_t* hi, uint16_t* lo) {
-  for (int h = 0; h < 32; h += 16) {
-    const __m512 v = _mm512_loadu_ps(src + h);
-    const __m256i vh = to_bf16x16(v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + h), vh);
-    if (lo) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + h), to_bf16x16(_mm512_sub_ps(v, from_bf16x16(vh))));
+// hi = bf16(v), lo = bf16(v - hi) for 32 values at `src`, stored as 32 bf16 each; kOrderEvensOdds
+// stores the even k first, then the odd (the 4-bit dequantizer's order).
+inline void split32(const float* src, int order, uint16_t* hi, uint16_t* lo) {
+  __m512 v[2] = {_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16)};
+  if (order == kOrderEvensOdds) {
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    const __m512 e = _mm512_permutex2var_ps(v[0], evens, v[1]), o = _mm512_permutex2var_ps(v[0], odds, v[1]);
+    v[0] = e;
+    v[1] = o;
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256i vh = to_bf16x16(v[h]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + 16 * h), vh);
+    if (lo) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 16 * h), to_bf16x16(_mm512_sub_ps(v[h], from_bf16x16(vh))));
   }
 }
 
@@ -69,9 +80,9 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // Activation rows as B tiles (layout above): hi[(j * K/32 + s) * 512 ...] is the tile of tokens
-// [16j, 16j + 16) and k [32s, 32s + 32); tokens past T are zero. lo (optional) the same for the
-// remainders.
-void amx_pack(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo) {
+// [16j, 16j + 16) and k [32s, 32s + 32) (each 32 in `order`); tokens past T are zero. lo (optional)
+// the same for the remainders.
+void amx_pack(const float* const* a, int T, int K, int order, uint16_t* hi, uint16_t* lo) {
   const int S = K / 32, J = (T + 15) / 16;
   alignas(64) uint16_t rows_hi[16][32], rows_lo[16][32];
   for (int j = 0; j < J; ++j)
@@ -79,7 +90,7 @@ void amx_pack(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo) {
       for (int n = 0; n < 16; ++n) {
         const int t = 16 * j + n;
         if (t < T) {
-          split32(a[t] + 32 * s, rows_hi[n], lo ? rows_lo[n] : nullptr);
+          split32(a[t] + 32 * s, order, rows_hi[n], lo ? rows_lo[n] : nullptr);
         } else {
           std::memset(rows_hi[n], 0, 64);
           std::memset(rows_lo[n], 0, 64);
@@ -99,7 +110,7 @@ void amx_pack(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo) {
 
 // bf16 hi (and lo) rows of an fp32 panel: hi[r * K + k] = bf16(panel[r * K + k]), as split32.
 void amx_split(const float* panel, int R, int K, uint16_t* hi, uint16_t* lo) {
-  for (int64_t i = 0; i < int64_t(R) * K; i += 32) split32(panel + i, hi + i, lo ? lo + i : nullptr);
+  for (int64_t i = 0; i < int64_t(R) * K; i += 32) split32(panel + i, kOrderNatural, hi + i, lo ? lo + i : nullptr);
 }
 
 // All eight tiles 16 rows x 64 bytes. Loaded at each amx_gemm call and released at its end, never
@@ -193,6 +204,181 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
     }
   }
   tile_release();
+}
+
+// ---- 4-bit rows (int4 sym/asym, gptq repacked, mxfp4) dequantized into tiles chunk by chunk ----
+// Each 32-row block is dequantized kNibbleChunk columns at a time into bf16 hi/lo A rows that stay in
+// L1 (16 KiB for both at 128 columns), and the chunk's tile products run at once; the C tiles carry
+// over the chunks (in the tiles for up to 32 tokens, else through memory). A row's 32 codes of a
+// block are 16 bytes, low nibble = even k; the dequantized pairs are written evens first, then odds
+// (VCVTNE2PS2BF16's order), and the activations are packed in that k order to match (amx_pack's
+// kOrderEvensOdds). w = (code - zero) * scale is exact in fp32, and hi + lo is exact too: a bf16
+// scale leaves at most 12 significant bits (an fp16 one 15), at most 16 of which hi and lo hold;
+// E2M1 values times a power of two are exact bf16, so mxfp4 has no lo pass.
+constexpr int kNibbleChunk = 128;
+
+inline float bf16_value(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <int Kind>
+inline float nibble_scale(const uint8_t* s, int g) {
+  if constexpr (Kind == kScaleBF16) return bf16_value(reinterpret_cast<const uint16_t*>(s)[g]);
+  if constexpr (Kind == kScaleF16) return _cvtsh_ss(reinterpret_cast<const uint16_t*>(s)[g]);
+  // e8m0, and E2M1 codes are looked up doubled (below): 2^(e - 128)
+  uint32_t u = s[g] > 1 ? uint32_t(s[g] - 1) << 23 : (s[g] ? 1u << 22 : 1u << 21);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rows [r0, r0 + rows) of expert e, columns [k0, k0 + kc), into hi/lo [rows][kChunk] (zero rows past R).
+template <int Decode, int Kind>
+void dequant_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, int kc, uint16_t* hi, uint16_t* lo) {
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // 2 * E2M1
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* h = hi + r * kNibbleChunk;
+    uint16_t* l = lo + r * kNibbleChunk;
+    if (r >= R) {
+      std::memset(h, 0, kc * 2);
+      if (Decode != kNibbleE2M1) std::memset(l, 0, kc * 2);
+      continue;
+    }
+    const int n = r0 + r;
+    const uint8_t* w = p.w + e * p.w_estride + int64_t(n) * p.w_rstride + k0 / 2;
+    const uint8_t* s = p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
+    const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
+    for (int k = 0; k < kc; k += 32) {
+      const int g = (k0 + k) / p.group;
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
+      __m128i ev = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+      __m128i od = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+      const float sc = nibble_scale<Kind>(s, g);
+      __m512 we, wo;
+      if constexpr (Decode == kNibbleE2M1) {
+        we = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, ev))), _mm512_set1_ps(sc));
+        wo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, od))), _mm512_set1_ps(sc));
+      } else {
+        const __m512i zero = _mm512_set1_epi32(Decode == kNibbleZeros ? z[g] : 8);
+        we = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(ev), zero)), _mm512_set1_ps(sc));
+        wo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(od), zero)), _mm512_set1_ps(sc));
+      }
+      const __m512i wh = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(wo, we));  // evens 0-15, odds 16-31
+      _mm512_storeu_si512(h + k, wh);
+      if constexpr (Decode != kNibbleE2M1) {
+        const __m512 he = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wh)), 16));
+        const __m512 ho =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wh, 1)), 16));
+        _mm512_storeu_si512(l + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(wo, ho), _mm512_sub_ps(we, he))));
+      }
+    }
+  }
+}
+
+// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed in kOrderEvensOdds.
+template <int Decode, int Kind>
+void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
+                   int ldc) {
+  constexpr bool kLo = Decode != kNibbleE2M1;  // the weights' own remainder pass
+  const int K = p.k, S = K / 32, J = (T + 15) / 16, pairs = (J + 1) / 2;
+  const bool two_rows = R > 16;
+  const int rows = two_rows ? 32 : 16;
+  alignas(64) uint16_t a_hi[32 * kNibbleChunk], a_lo[32 * kNibbleChunk];
+  thread_local std::vector<float> carried;  // C tiles of every token pair between chunks, past one pair
+  if (pairs > 1 && carried.size() < size_t(pairs) * 4 * 256) carried.resize(size_t(pairs) * 4 * 256);
+  constexpr int64_t kAStride = kNibbleChunk * 2;
+  configure_tiles();
+  for (int k0 = 0; k0 < K; k0 += kNibbleChunk) {
+    const int kc = K - k0 < kNibbleChunk ? K - k0 : kNibbleChunk;
+    dequant_nibble_chunk<Decode, Kind>(p, e, r0, R, rows, k0, kc, a_hi, a_lo);
+    for (int jp = 0; jp < pairs; ++jp) {
+      const int j = 2 * jp;
+      const bool two_tok = j + 1 < J;
+      float* cc = pairs > 1 ? carried.data() + size_t(jp) * 4 * 256 : nullptr;
+      if (k0 == 0) {
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
+      } else if (cc) {
+        TILE_LOAD(0, cc, 64);
+        TILE_LOAD(1, cc + 256, 64);
+        TILE_LOAD(2, cc + 512, 64);
+        TILE_LOAD(3, cc + 768, 64);
+      }
+      const int64_t b0 = int64_t(j) * S * 512, b1 = b0 + int64_t(S) * 512;
+      for (int s = 0; s < kc / 32; ++s) {
+        const int64_t bs = int64_t(k0 / 32 + s) * 512;
+        TILE_LOAD(4, a_hi + 32 * s, kAStride);
+        if (two_rows) TILE_LOAD(5, a_hi + 16 * kNibbleChunk + 32 * s, kAStride);
+        TILE_LOAD(6, x_hi + b0 + bs, 64);
+        if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
+        TILE_DPBF16PS(0, 4, 6);
+        if (two_tok) TILE_DPBF16PS(1, 4, 7);
+        if (two_rows) TILE_DPBF16PS(2, 5, 6);
+        if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+        if (x_lo) {
+          TILE_LOAD(6, x_lo + b0 + bs, 64);
+          if (two_tok) TILE_LOAD(7, x_lo + b1 + bs, 64);
+          TILE_DPBF16PS(0, 4, 6);
+          if (two_tok) TILE_DPBF16PS(1, 4, 7);
+          if (two_rows) TILE_DPBF16PS(2, 5, 6);
+          if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+        }
+        if (kLo) {
+          TILE_LOAD(4, a_lo + 32 * s, kAStride);
+          if (two_rows) TILE_LOAD(5, a_lo + 16 * kNibbleChunk + 32 * s, kAStride);
+          if (x_lo) {
+            TILE_LOAD(6, x_hi + b0 + bs, 64);
+            if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
+          }
+          TILE_DPBF16PS(0, 4, 6);
+          if (two_tok) TILE_DPBF16PS(1, 4, 7);
+          if (two_rows) TILE_DPBF16PS(2, 5, 6);
+          if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+        }
+      }
+      if (cc) {
+        TILE_STORE(0, cc, 64);
+        TILE_STORE(1, cc + 256, 64);
+        TILE_STORE(2, cc + 512, 64);
+        TILE_STORE(3, cc + 768, 64);
+      }
+    }
+  }
+  alignas(64) float out[4][16][16];
+  for (int jp = 0; jp < pairs; ++jp) {
+    const int j = 2 * jp;
+    if (pairs > 1) {
+      std::memcpy(out, carried.data() + size_t(jp) * 4 * 256, sizeof(out));
+    } else {
+      TILE_STORE(0, out[0], 64);
+      TILE_STORE(1, out[1], 64);
+      TILE_STORE(2, out[2], 64);
+      TILE_STORE(3, out[3], 64);
+    }
+    store_c(out[0], 0, R, 16 * j, T, c, ldc);
+    if (j + 1 < J) store_c(out[1], 0, R, 16 * j + 16, T, c, ldc);
+    if (two_rows) {
+      store_c(out[2], 16, R, 16 * j, T, c, ldc);
+      if (j + 1 < J) store_c(out[3], 16, R, 16 * j + 16, T, c, ldc);
+    }
+  }
+  tile_release();
+}
+
+void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
+                     int ldc) {
+  if (p.method == kMXFP4) return gemm_nibble_t<kNibbleE2M1, kScaleE8M0>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+  if (p.z) {
+    if (p.scale_kind == kScaleF16) return gemm_nibble_t<kNibbleZeros, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+    return gemm_nibble_t<kNibbleZeros, kScaleBF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+  }
+  if (p.scale_kind == kScaleF16) return gemm_nibble_t<kNibbleEight, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+  return gemm_nibble_t<kNibbleEight, kScaleBF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
 }
 
 // ---- int8 weights (one fp32 scale a row) on TDPBSSD ----
@@ -312,6 +498,7 @@ KernelTable make_table() {
   t.amx_gemm = amx_gemm;
   t.amx_pack_i8 = amx_pack_i8;
   t.amx_gemm_i8 = amx_gemm_i8;
+  t.amx_gemm_nibble = amx_gemm_nibble;
   return t;
 }
 

@@ -132,7 +132,7 @@ class LinearJob final : public Job {
   bool gemv_;
   engine::NodeRowItems items_;  // phase 1's: each node's output rows, once per token chunk
   int N_ = 0, K_ = 0, rows_ = 0, token_chunk_ = 1;  // rows_: the largest item's
-  std::unique_ptr<float[]> xf_;
+  engine::Buf<float> xf_;
   ActBuffers x_act_;
 };
 

@@ -48,13 +48,18 @@ class MoEJob final : public Job {
     up_items_.repeat(A);
     down_items_.repeat(A);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
-    x_act_.allocate(T, H, act_quant_for(kt, gate.method, H));
+    // Activations in the GEMVs' layouts only where some expert takes a GEMV (active_ is sorted by
+    // count, busiest first): a prefill whose experts all take the GEMM path skips their phase-0 and
+    // phase-2 quantization.
+    const bool any_gemv = !active_.empty() && active_.back().count <= gemv_max;
+    const auto gemv_layout = [&](int method, int K) { return any_gemv ? act_quant_for(kt, method, K) : kActNone; };
+    x_act_.allocate(T, H, gemv_layout(gate.method, H));
     // Gate and up in methods whose GEMVs read different layouts (a GGUF file may store them in two
     // types) each get their own copy of the activations.
-    const int up_mode = act_quant_for(kt, up.method, H);
+    const int up_mode = gemv_layout(up.method, H);
     if (up_mode != x_act_.mode) xu_act_.allocate(T, H, up_mode);
     h_ = uninit<float>(size_t(S_) * I);
-    h_act_.allocate(S_, I, act_quant_for(kt, down.method, I));
+    h_act_.allocate(S_, I, gemv_layout(down.method, I));
     // A bf16 model's bf16 experts: GEMM-path experts take VDPBF16PS on the bf16 rows, the
     // intermediate rounded to bf16 first (as the model's own bf16 MLP rounds it).
     // (Only where some expert takes the GEMM path: a decode step skips the bf16 copy and its phase.)
@@ -64,7 +69,7 @@ class MoEJob final : public Job {
     const bool dot = x_dtype_ == kBF16Data && (bf16_dot(kt) || tile_gemm(kt)) && gemm;
     bf16_up_ = dot && gate.method == kBF16 && up.method == kBF16;
     bf16_down_ = dot && down.method == kBF16;
-    if (bf16_down_ && !tile_gemm(kt)) hb_.reset(new uint16_t[size_t(S_) * I]);  // tiles round as they pack
+    if (bf16_down_ && !tile_gemm(kt)) hb_ = uninit<uint16_t>(size_t(S_) * I);  // tiles round as they pack
     ybuf_ = uninit<float>(size_t(S_) * H);
   }
 
@@ -320,8 +325,8 @@ class MoEJob final : public Job {
   std::vector<int> slot_token_, slot_of_;
   int S_ = 0;
   engine::NodeRowItems up_items_, down_items_;  // phase 1's (rows of I) and phase 3's (rows of H)
-  std::unique_ptr<float[]> xf_, h_, ybuf_;
-  std::unique_ptr<uint16_t[]> hb_;  // the intermediate in bf16, for bf16_down_
+  engine::Buf<float> xf_, h_, ybuf_;
+  engine::Buf<uint16_t> hb_;  // the intermediate in bf16, for bf16_down_
   bool bf16_up_ = false, bf16_down_ = false;
   ActBuffers x_act_, xu_act_, h_act_;  // xu_act_: up's layout where it is not gate's
 };

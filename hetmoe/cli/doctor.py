@@ -25,12 +25,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "its devices, then measures read bandwidth and fp32 FMA peak for a few seconds (cached; --remeasure to "
             "redo) and estimates decode tokens/s of a model shape per method."
         ),
-        epilog="examples:\n  hetmoe doctor\n  hetmoe doctor --model deepseek-v3 --threads 2 --json",
+        epilog=(
+            "examples:\n  hetmoe doctor\n  hetmoe doctor --remeasure --tune\n"
+            "  hetmoe doctor --model deepseek-v3 --threads 2 --json"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="qwen3-30b-a3b", help=f"model shape to estimate ({', '.join(SHAPES)})")
     p.add_argument("--threads", type=int, default=0, help="threads to measure with (default: all usable CPUs)")
     p.add_argument("--remeasure", action="store_true", help="ignore the cached measurement")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="measure the engine's fastest settings on this machine now (GEMV width, GEMV/GEMM switch per method; "
+        "~10-30 s, cached; otherwise done on first use unless HETMOE_TUNE=0)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(run=run)
 
@@ -77,7 +86,7 @@ def estimate(model: str, read_gb_per_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def report(model: str, threads: int, remeasure: bool) -> dict[str, Any]:
+def report(model: str, threads: int, remeasure: bool, tune: bool = False) -> dict[str, Any]:
     info = cpu_info()
     isa = isa_report()
     out: dict[str, Any] = {"cpu": info.as_dict(), "engine": isa, "torch": _torch_report(), "ram_bytes": _ram_bytes()}
@@ -86,6 +95,13 @@ def report(model: str, threads: int, remeasure: bool) -> dict[str, Any]:
 
         out["measured"] = measure_machine(threads or None, refresh=remeasure)
         out["estimate"] = {"model": model, "rows": estimate(model, out["measured"]["read_gb_per_s"])}
+        from ..runtime import tuning
+
+        if threads:
+            from ..kernels import set_num_threads
+
+            set_num_threads(threads)
+        out["tuning"] = tuning.tune() if tune else tuning.cached()
     out["verdict"] = _verdict(out)
     return out
 
@@ -116,8 +132,14 @@ def _verdict(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tokens(gemv_max: int) -> str:
+    from ..runtime.engine_layout import GEMV_ALL_TOKENS
+
+    return "all" if gemv_max >= GEMV_ALL_TOKENS else str(gemv_max)
+
+
 def run(args: argparse.Namespace) -> int:
-    r = report(args.model, args.threads, args.remeasure)
+    r = report(args.model, args.threads, args.remeasure, args.tune)
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
@@ -156,6 +178,16 @@ def run(args: argparse.Namespace) -> int:
             f"measured read bandwidth {m['read_gb_per_s']} GB/s, fp32 FMA peak {m['fma_gflop_per_s']} GFLOP/s "
             f"({m['threads']} threads, {m['isa']}, {m['measured_at']})"
         )
+    if "tuning" in r:
+        tr = r["tuning"]
+        if tr is None:
+            print("tuned    not yet: measured on first use (hetmoe doctor --tune measures now; HETMOE_TUNE=0 never)")
+        else:
+            switch = ", ".join(f"{m} {_tokens(v)}" for m, v in tr["gemv_max"].items())
+            print(
+                f"tuned    integer GEMVs {tr['int_vector_bits']} bits; GEMV up to (tokens an expert): {switch} "
+                f"({tr['isa']}, {tr['measured_at']}, {tr['seconds']} s)"
+            )
     print("verdict:")
     for line in r["verdict"]:
         print(f"  - {line}")

@@ -18,6 +18,7 @@ import torch
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..kernels.dispatch import engine_module
 from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
+from .tuning import tuned_gemv_max
 
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ACTIVATIONS = {"silu": 0, "swiglu-oai": 1}
@@ -59,8 +60,12 @@ _FLOAT_METHODS = ("bf16", "fp8", "fp8-channel")
 
 
 def default_gemv_max(projections: list[QuantizedTensor]) -> int:
-    """The GEMV/GEMM switch point for experts stored in these projections' methods (none where the
-    512-bit GEMVs run them: engine_layout.gemv_is_wide)."""
+    """The GEMV/GEMM switch point for experts stored in these projections' methods: the one the tuner
+    measured on this machine for their families (runtime/tuning.py), else the built-in rule (none
+    where the 512-bit GEMVs run them: engine_layout.gemv_is_wide)."""
+    tuned = [tuned_gemv_max(q.method) for q in projections]
+    if all(t is not None for t in tuned):
+        return min(t for t in tuned if t is not None)
     if gemv_is_wide(projections):
         return GEMV_ALL_TOKENS
     return GEMV_MAX_FLOAT if any(q.method in _FLOAT_METHODS for q in projections) else GEMV_MAX_INTEGER

@@ -21,6 +21,7 @@ from torch import nn
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..kernels.dispatch import engine_module
 from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
+from .tuning import tuned_gemv_max
 
 _ENGINE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _GROUPED = ("int4", "int4-asym", "gptq")
@@ -108,7 +109,8 @@ class CPULinear(nn.Module):
             bias = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
         self.bias_f32 = bias
         if gemv_max_tokens is None:
-            gemv_max_tokens = GEMV_ALL_TOKENS if gemv_is_wide([q]) else 4
+            tuned = tuned_gemv_max(q.method)  # measured on this machine (runtime/tuning.py)
+            gemv_max_tokens = tuned if tuned is not None else GEMV_ALL_TOKENS if gemv_is_wide([q]) else 4
         if gemv_max_tokens < 0:
             raise ValueError(f"gemv_max_tokens: expected >= 0, found {gemv_max_tokens}")
         self.gemv_max_tokens = int(gemv_max_tokens)

@@ -1,0 +1,220 @@
+"""The engine's choices measured on this machine instead of guessed from the vendor (FFTW's wisdom).
+
+What is fastest differs between CPUs more than any rule of thumb says: on a Zen 5 the 512-bit integer
+GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while AMX tiles win at 512
+(measured, docs/benchmarks.md). So, once per (CPU model, threads, kernel variant), the tuner times:
+
+- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), on int4 and int8 decode and a
+  few tokens an expert;
+- for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
+  the GEMM path (AMX tiles where the variant has them, else dequantized fp32 panels) at 2 to 64
+  tokens an expert; the switch is the largest count at which the GEMV path was faster.
+
+Each is timed on one 16-expert layer of Qwen3-30B-A3B's projection shapes (2048 x 768), every expert
+given exactly the same tokens, alternating the candidates and keeping each one's best of three.
+The choices are cached beside the doctor's figures (``$XDG_CACHE_HOME/hetmoe/tuning.json``), made on
+first use (``HETMOE_TUNE=0`` turns tuning off: the built-in defaults then apply) or by
+``hetmoe doctor --tune``, and printed by ``hetmoe doctor``. ``HETMOE_INT_VECTOR_BITS`` and an explicit
+``gemv_max_tokens`` still override them. Work-item size is not tuned (a fixed 1 MiB, measured on
+Zen 5: csrc/engine_common.h).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..formats.random_layout import random_projection
+from ..kernels.dispatch import INT_VECTOR_BITS_ENV, engine_module, set_int_vector_bits
+from ..kernels.machine import cache_path
+from .engine_layout import GEMV_ALL_TOKENS
+
+TUNE_ENV = "HETMOE_TUNE"
+TUNING_VERSION = 1
+# Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
+# one measurement serves them all.
+FAMILIES: dict[str, str] = {
+    "bf16": "bf16",
+    "fp8": "fp8",
+    "fp8-channel": "fp8",
+    "int8": "int8",
+    "gguf:q8_0": "int8",
+    "int4": "int4",
+    "int4-asym": "int4",
+    "gptq": "int4",
+    "mxfp4": "int4",
+}
+TUNED_METHODS = ("bf16", "fp8", "int8", "int4")
+TOKENS_PER_EXPERT = (2, 4, 8, 16, 24, 32, 48, 64)
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2048, 768, 8
+
+_choices: dict[str, Any] | None = None
+
+
+def tuning_path() -> Path:
+    return cache_path().with_name("tuning.json")
+
+
+def _key() -> str:
+    from ..hw import cpu_info
+
+    mod = engine_module()
+    return f"{cpu_info().model}|{mod.num_threads() or cpu_info().usable_cpus}|{mod.selected_isa()}|v{TUNING_VERSION}"
+
+
+def _layer(method: str) -> list:
+    return [
+        random_projection(method, EXPERTS, INTERMEDIATE, HIDDEN, 32, 0),
+        random_projection(method, EXPERTS, INTERMEDIATE, HIDDEN, 32, 1),
+        random_projection(method, EXPERTS, HIDDEN, INTERMEDIATE, 32, 2),
+    ]
+
+
+def _balanced_inputs(tokens_per_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens of which every expert gets exactly ``tokens_per_expert`` (each token: 8 of the 16)."""
+    T = tokens_per_expert * EXPERTS // TOP_K
+    ids = torch.tensor([[(t % 2) * TOP_K + j for j in range(TOP_K)] for t in range(T)], dtype=torch.int64)
+    x = (torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(T)) * 0.5).bfloat16()
+    return x, ids, torch.full((T, TOP_K), 1.0 / TOP_K)
+
+
+def _best_times(runs: dict[str, Any], inputs: tuple, reps: int = 3) -> dict[str, float]:
+    """Best-of-``reps`` seconds of each candidate (a callable running one forward), alternating."""
+    best = {name: float("inf") for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run(*inputs)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def tune(log=None) -> dict[str, Any]:
+    """Measure every choice on this machine, cache and apply them, and return the record."""
+    from .cpu_experts import CPUExperts
+
+    log = log or (lambda _msg: None)
+    mod = engine_module()
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the runtime runs the engine: torch's OpenMP workers off the cores
+    started = time.perf_counter()
+    record: dict[str, Any] = {"isa": mod.selected_isa(), "gemv_max": {}, "timings_ms": {}}
+    try:
+        layers = {m: _layer(m) for m in TUNED_METHODS}
+        widths = (256, 512) if mod.selected_isa() != "avx2" else (256,)
+        bits = widths[0]
+        if len(widths) > 1:
+            gemv = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("int8", "int4")}
+            total = dict.fromkeys(widths, 0.0)
+            decode = tuple(t[:1] for t in _balanced_inputs(2))  # one token, 8 experts
+            for label, inputs in (("decode", decode), ("8 tokens/expert", _balanced_inputs(8))):
+                for m, ce in gemv.items():
+                    runs = {str(b): (lambda *a, b=b, ce=ce: (set_int_vector_bits(b), ce.forward(*a))) for b in widths}
+                    times = _best_times(runs, inputs, reps=5)
+                    for b in widths:
+                        total[b] += times[str(b)]
+                    record["timings_ms"][f"{m} gemv {label}"] = {b: round(v * 1e3, 3) for b, v in times.items()}
+            bits = min(widths, key=lambda b: total[b])
+            log(f"tuned the integer GEMVs' width: {bits} bits")
+        record["int_vector_bits"] = bits
+        set_int_vector_bits(bits)
+        for m in TUNED_METHODS:
+            paths = {
+                "gemv": CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False),
+                "gemm": CPUExperts(*layers[m], gemv_max_tokens=0, verbose=False),
+            }
+            switch = 0
+            for tpe in TOKENS_PER_EXPERT:
+                times = _best_times({k: ce.forward for k, ce in paths.items()}, _balanced_inputs(tpe))
+                record["timings_ms"][f"{m} {tpe} tokens/expert"] = {k: round(v * 1e3, 3) for k, v in times.items()}
+                if times["gemv"] <= times["gemm"]:
+                    switch = tpe
+                else:
+                    break
+            # GEMV still faster at the largest count measured: it stays on the GEMV at every count.
+            record["gemv_max"][m] = GEMV_ALL_TOKENS if switch == TOKENS_PER_EXPERT[-1] else switch
+            log(f"tuned {m}: GEMV up to {_describe(record['gemv_max'][m])} tokens an expert")
+    finally:
+        torch.set_num_threads(torch_threads)
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    record["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _store(record)
+    global _choices
+    _choices = record
+    apply(record)
+    return record
+
+
+def _describe(gemv_max: int) -> str:
+    return "every" if gemv_max >= GEMV_ALL_TOKENS else str(gemv_max)
+
+
+def _store(record: dict[str, Any]) -> None:
+    path = tuning_path()
+    cache: dict[str, Any] = {}
+    try:
+        cache = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        cache = {}
+    cache[_key()] = record
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home is no reason to fail: the choices hold for this process
+        pass
+
+
+def cached() -> dict[str, Any] | None:
+    """This machine's cached record, or None."""
+    try:
+        cache = json.loads(tuning_path().read_text())
+    except (OSError, ValueError):
+        return None
+    record = cache.get(_key())
+    return record if isinstance(record, dict) and isinstance(record.get("gemv_max"), dict) else None
+
+
+def apply(record: dict[str, Any]) -> None:
+    """The record's GEMV width, unless HETMOE_INT_VECTOR_BITS says otherwise."""
+    bits = record.get("int_vector_bits")
+    if bits in (256, 512) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
+        set_int_vector_bits(int(bits))
+
+
+def choices() -> dict[str, Any] | None:
+    """The tuned choices for this machine: cached, or measured now on first use (one line on stderr;
+    ~10-30 s); None where ``HETMOE_TUNE=0`` (the built-in defaults, cached choices or not)."""
+    global _choices
+    if os.environ.get(TUNE_ENV, "1").strip() == "0":
+        return None
+    if _choices is not None and _choices.get("isa") == engine_module().selected_isa():
+        return _choices
+    record = cached()
+    if record is None:
+        print(
+            f"hetmoe: measuring this machine's fastest kernel settings once (cached in {tuning_path()}; "
+            f"{TUNE_ENV}=0 skips)",
+            file=sys.stderr,
+        )
+        record = tune()
+    _choices = record
+    apply(record)
+    return record
+
+
+def tuned_gemv_max(method: str) -> int | None:
+    """The measured GEMV/GEMM switch for ``method``'s family, or None (untuned, or no family)."""
+    family = FAMILIES.get(method)
+    record = choices() if family else None
+    if record is None:
+        return None
+    value = record["gemv_max"].get(family)
+    return int(value) if isinstance(value, int) else None
