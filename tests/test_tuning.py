@@ -1,0 +1,73 @@
+"""The tuner (hetmoe/runtime/tuning.py): what it measures, caches and applies, on a small layer."""
+
+import json
+
+import pytest
+import torch
+
+from hetmoe.formats import get_codec
+from hetmoe.kernels.dispatch import int_vector_bits, set_int_vector_bits
+from hetmoe.runtime import CPUExperts, tuning
+from hetmoe.runtime.cpu_experts import default_gemv_max
+from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
+
+
+@pytest.fixture
+def small_tuner(monkeypatch, tmp_path):
+    """Tuning on a 16-expert layer of 256 x 128 projections, cached under tmp_path; the module's
+    state and the GEMV width are put back afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    monkeypatch.delenv("HETMOE_INT_VECTOR_BITS", raising=False)
+    monkeypatch.setattr(tuning, "HIDDEN", 256)
+    monkeypatch.setattr(tuning, "INTERMEDIATE", 128)
+    monkeypatch.setattr(tuning, "TOKENS_PER_EXPERT", (2, 4))
+    monkeypatch.setattr(tuning, "_choices", None)
+    bits = int_vector_bits()
+    yield tmp_path
+    set_int_vector_bits(bits)
+    tuning._choices = None
+
+
+def test_tune_measures_caches_and_applies(small_tuner) -> None:
+    record = tuning.tune()
+    assert record["int_vector_bits"] in (256, 512)
+    assert set(record["gemv_max"]) == set(tuning.TUNED_METHODS)
+    for value in record["gemv_max"].values():
+        assert value in (0, 2, GEMV_ALL_TOKENS)  # the largest count measured faster on the GEMV, or all
+    assert "int4 2 tokens/expert" in record["timings_ms"]
+    assert int_vector_bits() == record["int_vector_bits"] or record["isa"] == "avx2"
+    # cached beside the doctor's figures, and read back by a later process (here: the module afresh)
+    on_disk = json.loads((small_tuner / "hetmoe" / "tuning.json").read_text())
+    assert next(iter(on_disk.values()))["gemv_max"] == record["gemv_max"]
+    tuning._choices = None
+    assert tuning.cached()["gemv_max"] == record["gemv_max"]
+    # a family shares its measurement; an explicit switch still wins
+    assert tuning.tuned_gemv_max("gptq") == record["gemv_max"]["int4"]
+    assert tuning.tuned_gemv_max("fp8-channel") == record["gemv_max"]["fp8"]
+    w = torch.randn(16, 128, 256) * 0.05
+    qs = [get_codec("int8").quantize(t) for t in (w, w, w.transpose(1, 2).contiguous())]
+    assert default_gemv_max(qs) == record["gemv_max"]["int8"]
+    assert CPUExperts(*qs, gemv_max_tokens=3)._engine is not None
+
+
+def test_tune_off_and_overrides(small_tuner, monkeypatch) -> None:
+    record = tuning.tune()
+    monkeypatch.setenv(tuning.TUNE_ENV, "0")
+    assert tuning.choices() is None and tuning.tuned_gemv_max("int4") is None  # the built-in defaults
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    if record["isa"] != "avx2":  # HETMOE_INT_VECTOR_BITS (applied when the engine loads) outranks the record
+        other = 256 if record["int_vector_bits"] == 512 else 512
+        monkeypatch.setenv("HETMOE_INT_VECTOR_BITS", str(other))
+        set_int_vector_bits(other)
+        tuning.apply(record)
+        assert int_vector_bits() == other
+
+
+def test_unreadable_cache_is_no_record(small_tuner) -> None:
+    path = small_tuner / "hetmoe" / "tuning.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert tuning.cached() is None
+    path.write_text(json.dumps({"x": {"gemv_max": 3}}))
+    assert tuning.cached() is None
