@@ -140,7 +140,7 @@ PYBIND11_MODULE(_C, m) {
         std::vector<const float*> rows(T);
         for (int t = 0; t < T; ++t) rows[t] = x + size_t(t) * K;
         std::vector<uint16_t> xh(amx_packed_elems(T, K)), xl(amx_packed_elems(T, K));
-        kt->amx_pack(rows.data(), T, K, kOrderNatural, xh.data(), x_lo ? xl.data() : nullptr);
+        kt->amx_pack(rows.data(), T, K, xh.data(), x_lo ? xl.data() : nullptr);
         std::vector<float> panel(size_t(kAmxRows) * K);
         std::vector<uint16_t> wh(panel.size()), wl(panel.size());
         for (int r0 = 0; r0 < R; r0 += kAmxRows) {

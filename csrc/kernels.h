@@ -133,8 +133,8 @@ struct KernelTable {
 
   // ---- AMX tiles (kernels_amx.cpp; nullptr in the other units; tile_path.h drives them) ----
   // T activation rows of K (a multiple of 32) as B tiles: bf16 hi, and lo = bf16(x - hi) unless
-  // lo is nullptr; amx_packed_elems(T, K) elements each; each 32 k in `order` (kTileOrder).
-  void (*amx_pack)(const float* const* a, int T, int K, int order, uint16_t* hi, uint16_t* lo);
+  // lo is nullptr; amx_packed_elems(T, K) elements each.
+  void (*amx_pack)(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo);
   // R rows of an fp32 panel [R, K] as row-major bf16 hi (and lo) rows.
   void (*amx_split)(const float* panel, int R, int K, uint16_t* hi, uint16_t* lo);
   // c[t * ldc + r] = dot(w[r], x[t]) for r < R (<= kAmxRows), t < T: w_hi x_hi + w_hi x_lo + w_lo x_hi,
@@ -149,14 +149,10 @@ struct KernelTable {
   void (*amx_gemm_i8)(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,
                       const int8_t* x_lo, const float* x_scale, int T, float* c, int ldc);
   // c[t * ldc + r] = dot(W_e[r0 + r], x[t]) for r < R (<= kAmxRows) of a 4-bit projection (kInt4, kMXFP4),
-  // dequantized into tiles chunk by chunk; x: amx_pack's tiles in kOrderEvensOdds.
+  // dequantized into tiles chunk by chunk; x: amx_pack's tiles.
   void (*amx_gemm_nibble)(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
                           float* c, int ldc);
 };
-
-// The k order within each 32 of amx_pack's tiles: as stored, or a block's even k then its odd k (the
-// order amx_gemm_nibble dequantizes 4-bit codes in, so that no shuffle is needed there).
-enum TileOrder : int { kOrderNatural = 0, kOrderEvensOdds = 1 };
 
 constexpr int kAmxRows = 32;  // weight rows of one amx_gemm call: two A tiles
 // Elements of one amx_pack output: token tiles of 16, each K/32 tiles of 512 bf16.

@@ -42,21 +42,13 @@ inline __m256i to_bf16x16(__m512 v) {
 }
 inline __m512 from_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-// hi = bf16(v), lo = bf16(v - hi) for 32 values at `src`, stored as 32 bf16 each; kOrderEvensOdds
-// stores the even k first, then the odd (the 4-bit dequantizer's order).
-inline void split32(const float* src, int order, uint16_t* hi, uint16_t* lo) {
-  __m512 v[2] = {_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16)};
-  if (order == kOrderEvensOdds) {
-    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    const __m512 e = _mm512_permutex2var_ps(v[0], evens, v[1]), o = _mm512_permutex2var_ps(v[0], odds, v[1]);
-    v[0] = e;
-    v[1] = o;
-  }
-  for (int h = 0; h < 2; ++h) {
-    const __m256i vh = to_bf16x16(v[h]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + 16 * h), vh);
-    if (lo) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 16 * h), to_bf16x16(_mm512_sub_ps(v[h], from_bf16x16(vh))));
+// hi = bf16(v), lo = bf16(v - hi) for 32 values at `src`, stored as 32 bf16 each.
+inline void split32(const float* src, uint16_t* hi, uint16_t* lo) {
+  for (int h = 0; h < 32; h += 16) {
+    const __m512 v = _mm512_loadu_ps(src + h);
+    const __m256i vh = to_bf16x16(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + h), vh);
+    if (lo) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + h), to_bf16x16(_mm512_sub_ps(v, from_bf16x16(vh))));
   }
 }
 
@@ -80,9 +72,9 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // Activation rows as B tiles (layout above): hi[(j * K/32 + s) * 512 ...] is the tile of tokens
-// [16j, 16j + 16) and k [32s, 32s + 32) (each 32 in `order`); tokens past T are zero. lo (optional)
-// the same for the remainders.
-void amx_pack(const float* const* a, int T, int K, int order, uint16_t* hi, uint16_t* lo) {
+// [16j, 16j + 16) and k [32s, 32s + 32); tokens past T are zero. lo (optional) the same for the
+// remainders.
+void amx_pack(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo) {
   const int S = K / 32, J = (T + 15) / 16;
   alignas(64) uint16_t rows_hi[16][32], rows_lo[16][32];
   for (int j = 0; j < J; ++j)
@@ -90,7 +82,7 @@ void amx_pack(const float* const* a, int T, int K, int order, uint16_t* hi, uint
       for (int n = 0; n < 16; ++n) {
         const int t = 16 * j + n;
         if (t < T) {
-          split32(a[t] + 32 * s, order, rows_hi[n], lo ? rows_lo[n] : nullptr);
+          split32(a[t] + 32 * s, rows_hi[n], lo ? rows_lo[n] : nullptr);
         } else {
           std::memset(rows_hi[n], 0, 64);
           std::memset(rows_lo[n], 0, 64);
@@ -110,7 +102,7 @@ void amx_pack(const float* const* a, int T, int K, int order, uint16_t* hi, uint
 
 // bf16 hi (and lo) rows of an fp32 panel: hi[r * K + k] = bf16(panel[r * K + k]), as split32.
 void amx_split(const float* panel, int R, int K, uint16_t* hi, uint16_t* lo) {
-  for (int64_t i = 0; i < int64_t(R) * K; i += 32) split32(panel + i, kOrderNatural, hi + i, lo ? lo + i : nullptr);
+  for (int64_t i = 0; i < int64_t(R) * K; i += 32) split32(panel + i, hi + i, lo ? lo + i : nullptr);
 }
 
 // All eight tiles 16 rows x 64 bytes. Loaded at each amx_gemm call and released at its end, never
@@ -210,11 +202,11 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
 // Each 32-row block is dequantized kNibbleChunk columns at a time into bf16 hi/lo A rows that stay in
 // L1 (16 KiB for both at 128 columns), and the chunk's tile products run at once; the C tiles carry
 // over the chunks (in the tiles for up to 32 tokens, else through memory). A row's 32 codes of a
-// block are 16 bytes, low nibble = even k; the dequantized pairs are written evens first, then odds
-// (VCVTNE2PS2BF16's order), and the activations are packed in that k order to match (amx_pack's
-// kOrderEvensOdds). w = (code - zero) * scale is exact in fp32, and hi + lo is exact too: a bf16
-// scale leaves at most 12 significant bits (an fp16 one 15), at most 16 of which hi and lo hold;
-// E2M1 values times a power of two are exact bf16, so mxfp4 has no lo pass.
+// block are 16 bytes, low nibble = even k, so the even and odd weights come out as two vectors whose
+// lanes pair up as the tile's (k, k + 1) dwords. w = (code - zero) * scale is exact in fp32 with at
+// most 12 significant bits for a bf16 scale (15 for fp16); hi is w truncated to bf16 (8 bits) and
+// lo = w - hi holds the rest exactly, so hi + lo is w and no rounding happens anywhere (integer
+// shifts and masks only). E2M1 values times a power of two are exact bf16: mxfp4 has no lo pass.
 constexpr int kNibbleChunk = 128;
 
 inline float bf16_value(uint16_t v) {
@@ -266,19 +258,20 @@ void dequant_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0,
         we = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(ev), zero)), _mm512_set1_ps(sc));
         wo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(od), zero)), _mm512_set1_ps(sc));
       }
-      const __m512i wh = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(wo, we));  // evens 0-15, odds 16-31
-      _mm512_storeu_si512(h + k, wh);
+      // hi = w truncated to bf16, lo = the rest (exact: see above); a dword is the pair (k, k + 1).
+      const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+      const __m512i eb = _mm512_castps_si512(we), ob = _mm512_castps_si512(wo);
+      _mm512_storeu_si512(h + k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(eb, 16), ob, top, 0xF8));  // a | (b & c)
       if constexpr (Decode != kNibbleE2M1) {
-        const __m512 he = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wh)), 16));
-        const __m512 ho =
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wh, 1)), 16));
-        _mm512_storeu_si512(l + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(wo, ho), _mm512_sub_ps(we, he))));
+        const __m512i el = _mm512_castps_si512(_mm512_sub_ps(we, _mm512_castsi512_ps(_mm512_and_si512(eb, top))));
+        const __m512i ol = _mm512_castps_si512(_mm512_sub_ps(wo, _mm512_castsi512_ps(_mm512_and_si512(ob, top))));
+        _mm512_storeu_si512(l + k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(el, 16), ol, top, 0xF8));
       }
     }
   }
 }
 
-// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed in kOrderEvensOdds.
+// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed by amx_pack.
 template <int Decode, int Kind>
 void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
                    int ldc) {

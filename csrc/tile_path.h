@@ -1,6 +1,6 @@
 // The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
 // MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
-// weight rows go kAmxRows at a time through the tile GEMMs (tile_form says which). bf16 weights are A
+// weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A
 // tiles as stored, and so are int8 codes (on int8 tiles); 4-bit codes are dequantized into tiles by
 // their own kernel; every other method is dequantized to an fp32 panel by its dequant_rows kernel
 // and split into bf16 hi and lo rows (the split keeps fp32 accuracy: kernels_amx.cpp).
@@ -20,22 +20,17 @@ namespace engine {
 inline bool tile_gemm(const KernelTable* kt) { return kt->amx_gemm != nullptr; }
 
 // How a projection meets the tiles: int8 rows with one fp32 scale a row (K a multiple of 64) on
-// TDPBSSD against int8 digits of the activations (amx_gemm_i8); 4-bit rows dequantized into tiles
-// chunk by chunk (amx_gemm_nibble), against activations packed evens-then-odds; every other method
-// (bf16 rows as stored, the rest dequantized to panels) on bf16 tiles in natural order.
-enum TileForm : int { kTileNatural = 0, kTileEvensOdds = 1, kTileInt8 = 2, kTileForms = 3 };
-
-inline int tile_form(const KernelTable* kt, const Proj& p) {
-  if (kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0)
-    return kTileInt8;
-  if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4)) return kTileEvensOdds;
-  return kTileNatural;
+// TDPBSSD against int8 digits of the activations (amx_gemm_i8); every other method on bf16 tiles
+// against the activations' bf16 hi/lo (4-bit rows dequantized into tiles by amx_gemm_nibble, bf16 rows
+// as stored, the rest through dequantized panels).
+inline bool tile_int8(const KernelTable* kt, const Proj& p) {
+  return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
 }
 
-// Per-worker buffers: packed activations (per bf16 order), int8 digits, a dequantized panel and its
-// bf16 rows.
+// Per-worker buffers: packed activations (bf16 hi/lo, int8 digits), a dequantized panel and its bf16
+// rows.
 struct TileScratch {
-  std::vector<uint16_t> x_hi[2], x_lo[2], w_hi, w_lo;
+  std::vector<uint16_t> x_hi, x_lo, w_hi, w_lo;
   std::vector<int8_t> q_hi, q_lo;
   std::vector<float> panel, q_d;
 };
@@ -48,34 +43,31 @@ T* grown(std::vector<T>& v, size_t n) {
 }
 
 // Activations packed for the tile GEMMs, in the calling thread's scratch (valid until its next pack):
-// bf16 hi and lo per order (lo nullptr: the rows are exactly bf16), int8 digits and their scales.
+// bf16 hi and lo (lo nullptr: the rows are exactly bf16), int8 digits and their scales.
 struct TileActs {
-  const uint16_t* hi[2] = {nullptr, nullptr};
-  const uint16_t* lo[2] = {nullptr, nullptr};
+  const uint16_t* hi = nullptr;
+  const uint16_t* lo = nullptr;
   const int8_t* q_hi = nullptr;
   const int8_t* q_lo = nullptr;
   const float* q_d = nullptr;
   int T = 0;
 };
 
-// `rows` (T of K fp32 values) in the forms the projections `a` and `b` read (tile_form); with_lo:
-// keep each value's remainder after bf16 rounding (leave it out only for rows that are exactly bf16).
+// `rows` (T of K fp32 values) in the forms the projections `a` and `b` read; with_lo: keep each
+// value's remainder after bf16 rounding (leave it out only for rows that are exactly bf16).
 inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T, int K, bool with_lo, const Proj& a,
                           const Proj& b) {
   const size_t n = size_t(amx_packed_elems(T, K));
   TileActs x;
   x.T = T;
-  bool wanted[kTileForms] = {};
-  wanted[tile_form(kt, a)] = wanted[tile_form(kt, b)] = true;
-  for (int order = kOrderNatural; order <= kOrderEvensOdds; ++order) {
-    if (!wanted[order]) continue;
-    uint16_t* hi = grown(tl_tile.x_hi[order], n);
-    uint16_t* lo = with_lo ? grown(tl_tile.x_lo[order], n) : nullptr;
-    kt->amx_pack(rows, T, K, order, hi, lo);
-    x.hi[order] = hi;
-    x.lo[order] = lo;
+  if (!tile_int8(kt, a) || !tile_int8(kt, b)) {
+    uint16_t* hi = grown(tl_tile.x_hi, n);
+    uint16_t* lo = with_lo ? grown(tl_tile.x_lo, n) : nullptr;
+    kt->amx_pack(rows, T, K, hi, lo);
+    x.hi = hi;
+    x.lo = lo;
   }
-  if (wanted[kTileInt8]) {
+  if (tile_int8(kt, a) || tile_int8(kt, b)) {
     int8_t* hi = grown(tl_tile.q_hi, n);
     int8_t* lo = grown(tl_tile.q_lo, n);
     float* d = grown(tl_tile.q_d, size_t(T + 15) / 16 * 16);
@@ -111,12 +103,11 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     const int padded = R > 16 ? kAmxRows : 16;  // the kernels read whole A tiles of 16 rows
     float* out = c + (r0 - n0);
     int64_t stride = 0;
-    const int form = tile_form(kt, p);
-    if (form == kTileEvensOdds) {
-      kt->amx_gemm_nibble(p, e, r0, R, x.hi[kOrderEvensOdds], x.lo[kOrderEvensOdds], x.T, out, ldc);
+    if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4)) {
+      kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, out, ldc);
       continue;
     }
-    if (form == kTileInt8) {
+    if (tile_int8(kt, p)) {
       const uint8_t* w = tile_rows_as_stored(p, e, r0, R, padded, K, tail, stride);
       float scale[kAmxRows];
       for (int r = 0; r < R; ++r) {
@@ -128,8 +119,8 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     }
     if (p.method == kBF16) {
       const uint8_t* w = tile_rows_as_stored(p, e, r0, R, padded, int64_t(K) * 2, tail, stride);
-      kt->amx_gemm(reinterpret_cast<const uint16_t*>(w), nullptr, stride / 2, R, K, x.hi[kOrderNatural],
-                   x.lo[kOrderNatural], x.T, out, ldc);
+      kt->amx_gemm(reinterpret_cast<const uint16_t*>(w), nullptr, stride / 2, R, K, x.hi, x.lo, x.T,
+                   out, ldc);
       continue;
     }
     float* panel = grown(tl_tile.panel, size_t(padded) * K);
@@ -139,7 +130,7 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     uint16_t* hi = grown(tl_tile.w_hi, size_t(padded) * K);
     uint16_t* lo = grown(tl_tile.w_lo, size_t(padded) * K);
     kt->amx_split(panel, padded, K, hi, lo);
-    kt->amx_gemm(hi, lo, K, R, K, x.hi[kOrderNatural], x.lo[kOrderNatural], x.T, out, ldc);
+    kt->amx_gemm(hi, lo, K, R, K, x.hi, x.lo, x.T, out, ldc);
   }
 }
 
