@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hetmoe.formats import get_codec
-from hetmoe.kernels.dispatch import int_vector_bits, set_int_vector_bits
+from hetmoe.kernels.dispatch import int_vector_bits, set_int_vector_bits, set_weight_prefetch
 from hetmoe.runtime import CPUExperts, tuning
 from hetmoe.runtime.cpu_experts import default_gemv_max
 from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
@@ -19,22 +19,24 @@ def small_tuner(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     monkeypatch.delenv("HETMOE_INT_VECTOR_BITS", raising=False)
+    monkeypatch.delenv("HETMOE_WEIGHT_PREFETCH", raising=False)
     monkeypatch.setattr(tuning, "HIDDEN", 256)
     monkeypatch.setattr(tuning, "INTERMEDIATE", 128)
-    monkeypatch.setattr(tuning, "TOKENS_PER_EXPERT", (2, 4))
+    monkeypatch.setattr(tuning, "TOKENS_PER_EXPERT", (1, 2, 4))
     monkeypatch.setattr(tuning, "_choices", None)
     bits = int_vector_bits()
     yield tmp_path
     set_int_vector_bits(bits)
+    set_weight_prefetch("default")
     tuning._choices = None
 
 
 def test_tune_measures_caches_and_applies(small_tuner) -> None:
     record = tuning.tune()
-    assert record["int_vector_bits"] in (256, 512)
+    assert record["int_vector_bits"] in (256, 512) and record["weight_prefetch"] in ("t0", "nta")
     assert set(record["gemv_max"]) == set(tuning.TUNED_METHODS)
     for value in record["gemv_max"].values():
-        assert value in (0, 2, GEMV_ALL_TOKENS)  # the largest count measured faster on the GEMV, or all
+        assert value in (1, 2, GEMV_ALL_TOKENS)  # GEMV at 1 always; then as measured, or on every count
     assert "int4 2 tokens/expert" in record["timings_ms"]
     assert int_vector_bits() == record["int_vector_bits"] or record["isa"] == "avx2"
     # cached beside the doctor's figures, and read back by a later process (here: the module afresh)

@@ -48,9 +48,9 @@ from torch import nn
 from ..checkpoint.atomic import write_text_atomic
 from ..hw import cpu_info
 from ..kernels import select_isa, set_num_threads
+from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.hybrid import HybridMoE
-from .cache_flush import CacheFlush, last_level_cache_bytes
 from .model_build import DEFAULT_CACHE, ModelShape, build_model
 
 # llama.cpp on this project's machines (2 threads), this exact model, per GGUF type: decode tok/s and

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from ..kernels import moe_forward_reference, select_isa, set_num_threads
+from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import pool_report
 from ..kernels.machine import measure_machine, plain_read_gb_per_s, read_bandwidth_now
 from ..models.shapes import MoEShape, get_shape
 from ..runtime import CPUExperts
 from .baseline import TorchExperts
-from .cache_flush import CacheFlush, last_level_cache_bytes
 from .layers import dequantize_expert, random_projection
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512)

@@ -185,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             switch = ", ".join(f"{m} {_tokens(v)}" for m, v in tr["gemv_max"].items())
             print(
-                f"tuned    integer GEMVs {tr['int_vector_bits']} bits; GEMV up to (tokens an expert): {switch} "
+                f"tuned    integer GEMVs {tr['int_vector_bits']} bits, "
+                f"weight prefetch {tr.get('weight_prefetch', '-')}; "
+                f"GEMV up to (tokens an expert): {switch} "
                 f"({tr['isa']}, {tr['measured_at']}, {tr['seconds']} s)"
             )
     print("verdict:")

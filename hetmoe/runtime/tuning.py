@@ -6,17 +6,21 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
 
 - the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), on int4 and int8 decode and a
   few tokens an expert;
+- how the GEMVs prefetch the weights they stream (non-temporal or into every cache level), on bf16,
+  int8 and int4 decode (on this Xeon non-temporal took 1.4-1.5x as long; on a Zen 5 it was faster);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them, else dequantized fp32 panels) at 2 to 64
-  tokens an expert; the switch is the largest count at which the GEMV path was faster.
+  tokens an expert (one token an expert, a decode step, always takes the GEMV); the switch is the
+  largest count up to which the GEMM path was never more than 10% faster.
 
 Each is timed on one 16-expert layer of Qwen3-30B-A3B's projection shapes (2048 x 768), every expert
-given exactly the same tokens, alternating the candidates and keeping each one's best of three.
+given exactly the same tokens, alternating the candidates with the caches evicted before each run
+(as a model's other layers evict them) and keeping each one's best of three.
 The choices are cached beside the doctor's figures (``$XDG_CACHE_HOME/hetmoe/tuning.json``), made on
 first use (``HETMOE_TUNE=0`` turns tuning off: the built-in defaults then apply) or by
-``hetmoe doctor --tune``, and printed by ``hetmoe doctor``. ``HETMOE_INT_VECTOR_BITS`` and an explicit
-``gemv_max_tokens`` still override them. Work-item size is not tuned (a fixed 1 MiB, measured on
-Zen 5: csrc/engine_common.h).
+``hetmoe doctor --tune``, and printed by ``hetmoe doctor``. ``HETMOE_INT_VECTOR_BITS``,
+``HETMOE_WEIGHT_PREFETCH`` and an explicit ``gemv_max_tokens`` still override them. Work-item size is
+not tuned (a fixed 1 MiB, measured on Zen 5: csrc/engine_common.h).
 """
 
 from __future__ import annotations
@@ -31,12 +35,19 @@ from typing import Any
 import torch
 
 from ..formats.random_layout import random_projection
-from ..kernels.dispatch import INT_VECTOR_BITS_ENV, engine_module, set_int_vector_bits
+from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
+from ..kernels.dispatch import (
+    INT_VECTOR_BITS_ENV,
+    WEIGHT_PREFETCH_ENV,
+    engine_module,
+    set_int_vector_bits,
+    set_weight_prefetch,
+)
 from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-TUNING_VERSION = 1
+TUNING_VERSION = 3
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -51,7 +62,11 @@ FAMILIES: dict[str, str] = {
     "mxfp4": "int4",
 }
 TUNED_METHODS = ("bf16", "fp8", "int8", "int4")
-TOKENS_PER_EXPERT = (2, 4, 8, 16, 24, 32, 48, 64)
+TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # the first: a decode step's
+# The GEMM path takes over only where it is more than 10% faster: on a shared VM two runs of the same
+# configuration differ by that much (a bf16 decode step here: 4.2 and 5.3 ms in one tuning run), and
+# near the switch the two paths are within it, so a closer call is noise.
+SWITCH_MARGIN = 1.1
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2048, 768, 8
 
 _choices: dict[str, Any] | None = None
@@ -84,11 +99,20 @@ def _balanced_inputs(tokens_per_expert: int) -> tuple[torch.Tensor, torch.Tensor
     return x, ids, torch.full((T, TOP_K), 1.0 / TOP_K)
 
 
+_flush: CacheFlush | None = None
+
+
 def _best_times(runs: dict[str, Any], inputs: tuple, reps: int = 3) -> dict[str, float]:
-    """Best-of-``reps`` seconds of each candidate (a callable running one forward), alternating."""
+    """Best-of-``reps`` seconds of each candidate (a callable running one forward), alternating, each
+    after the caches were evicted: the small layer would otherwise sit in a large L3 (300 MiB on a
+    Xeon here), while a real model's layers stream from DRAM."""
+    global _flush
+    if _flush is None:
+        _flush = CacheFlush(2 * last_level_cache_bytes())
     best = {name: float("inf") for name in runs}
     for _ in range(reps):
         for name, run in runs.items():
+            _flush()
             t0 = time.perf_counter()
             run(*inputs)
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -124,16 +148,34 @@ def tune(log=None) -> dict[str, Any]:
             log(f"tuned the integer GEMVs' width: {bits} bits")
         record["int_vector_bits"] = bits
         set_int_vector_bits(bits)
+        # How the GEMVs prefetch the rows they stream: non-temporally or into every cache level, on
+        # decode steps of the three main families.
+        total = {"t0": 0.0, "nta": 0.0}
+        decoders = {
+            m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("bf16", "int8", "int4")
+        }
+        decode = tuple(t[:1] for t in _balanced_inputs(2))
+        for m, ce in decoders.items():
+            runs = {h: (lambda *a, h=h, ce=ce: (set_weight_prefetch(h), ce.forward(*a))) for h in total}
+            times = _best_times(runs, decode, reps=5)
+            for h in total:
+                total[h] += times[h]
+            record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
+        record["weight_prefetch"] = min(total, key=lambda h: total[h])
+        log(f"tuned the GEMVs' weight prefetch: {record['weight_prefetch']}")
         for m in TUNED_METHODS:
             paths = {
                 "gemv": CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False),
                 "gemm": CPUExperts(*layers[m], gemv_max_tokens=0, verbose=False),
             }
-            switch = 0
-            for tpe in TOKENS_PER_EXPERT:
-                times = _best_times({k: ce.forward for k, ce in paths.items()}, _balanced_inputs(tpe))
+            # One token an expert (a decode step) always streams through the GEMV: each weight read once
+            # is the whole cost there, and the small layer here misjudged it (bf16: tiles looked faster
+            # at 16 experts, the GEMV was 15% faster at Qwen3-30B-A3B's 128).
+            switch = 1
+            for tpe in TOKENS_PER_EXPERT[1:]:
+                times = _best_times({k: ce.forward for k, ce in paths.items()}, _balanced_inputs(tpe), reps=5)
                 record["timings_ms"][f"{m} {tpe} tokens/expert"] = {k: round(v * 1e3, 3) for k, v in times.items()}
-                if times["gemv"] <= times["gemm"]:
+                if times["gemv"] <= SWITCH_MARGIN * times["gemm"]:
                     switch = tpe
                 else:
                     break
@@ -183,10 +225,14 @@ def cached() -> dict[str, Any] | None:
 
 
 def apply(record: dict[str, Any]) -> None:
-    """The record's GEMV width, unless HETMOE_INT_VECTOR_BITS says otherwise."""
+    """The record's GEMV width and weight prefetch, unless HETMOE_INT_VECTOR_BITS /
+    HETMOE_WEIGHT_PREFETCH say otherwise."""
     bits = record.get("int_vector_bits")
     if bits in (256, 512) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
         set_int_vector_bits(int(bits))
+    hint = record.get("weight_prefetch")
+    if hint in ("t0", "nta") and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
+        set_weight_prefetch(hint)
 
 
 def choices() -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """Evicting the CPU caches between timed runs, so a benchmark times DRAM and not the cache.
 
-This project's VM reports a 260 MiB L3: a whole int4 MoE layer of Qwen3-30B-A3B (340 MB) nearly fits,
+This project's VMs report L3s of up to 300 MiB: a whole int4 MoE layer of Qwen3-30B-A3B (340 MB) nearly fits,
 so timing one layer's decode step over and over would read most experts from the cache. Inside a
 real model the other layers' weights pass through the cache between two calls of a layer.
 """
