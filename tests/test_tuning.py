@@ -14,13 +14,15 @@ from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
 
 @pytest.fixture
 def small_tuner(monkeypatch, tmp_path):
-    """Tuning on a 16-expert layer of 256 x 128 projections, cached under tmp_path; the module's
-    state and the GEMV width are put back afterwards."""
+    """Tuning on a 16-expert layer of 256 x 128 projections (caches not evicted), cached under
+    tmp_path; the module's state, the GEMV width and the prefetch hint are put back afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     monkeypatch.delenv("HETMOE_INT_VECTOR_BITS", raising=False)
     monkeypatch.delenv("HETMOE_WEIGHT_PREFETCH", raising=False)
+    monkeypatch.setattr(tuning, "EXPERTS", 16)
     monkeypatch.setattr(tuning, "HIDDEN", 256)
+    monkeypatch.setattr(tuning, "_flush", lambda: None)  # tiny layers: evicting 2x the LLC would dominate
     monkeypatch.setattr(tuning, "INTERMEDIATE", 128)
     monkeypatch.setattr(tuning, "TOKENS_PER_EXPERT", (1, 2, 4))
     monkeypatch.setattr(tuning, "_choices", None)
@@ -36,7 +38,7 @@ def test_tune_measures_caches_and_applies(small_tuner) -> None:
     assert record["int_vector_bits"] in (256, 512) and record["weight_prefetch"] in ("t0", "nta")
     assert set(record["gemv_max"]) == set(tuning.TUNED_METHODS)
     for value in record["gemv_max"].values():
-        assert value in (1, 2, GEMV_ALL_TOKENS)  # GEMV at 1 always; then as measured, or on every count
+        assert value in (1, 2, 3, GEMV_ALL_TOKENS)  # GEMV at 1 always; then the crossing, or every count
     assert "int4 2 tokens/expert" in record["timings_ms"]
     assert int_vector_bits() == record["int_vector_bits"] or record["isa"] == "avx2"
     # cached beside the doctor's figures, and read back by a later process (here: the module afresh)
@@ -64,6 +66,13 @@ def test_tune_off_and_overrides(small_tuner, monkeypatch) -> None:
         set_int_vector_bits(other)
         tuning.apply(record)
         assert int_vector_bits() == other
+
+
+def test_crossing_interpolates_between_the_grid_counts() -> None:
+    # GEMV 1 ms a token an expert, GEMM 20 ms flat: they cross at 20 tokens, between 16 and 24
+    assert tuning._crossing(16, {"gemv": 16.0, "gemm": 20.0}, 24, {"gemv": 24.0, "gemm": 20.0}) == 20
+    # a GEMV that does not grow faster than the GEMM: the last count it won
+    assert tuning._crossing(16, {"gemv": 16.0, "gemm": 20.0}, 24, {"gemv": 16.0, "gemm": 20.0}) == 16
 
 
 def test_unreadable_cache_is_no_record(small_tuner) -> None:

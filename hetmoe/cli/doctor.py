@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--tune",
         action="store_true",
         help="measure the engine's fastest settings on this machine now (GEMV width, GEMV/GEMM switch per method; "
-        "~10-30 s, cached; otherwise done on first use unless HETMOE_TUNE=0)",
+        "about a minute, cached; otherwise done on first use unless HETMOE_TUNE=0)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(run=run)

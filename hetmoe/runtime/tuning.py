@@ -10,12 +10,13 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
   int8 and int4 decode (on this Xeon non-temporal took 1.4-1.5x as long; on a Zen 5 it was faster);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them, else dequantized fp32 panels) at 2 to 64
-  tokens an expert (one token an expert, a decode step, always takes the GEMV); the switch is the
-  largest count up to which the GEMM path was never more than 10% faster.
+  tokens an expert (one token an expert, a decode step, always takes the GEMV); the switch is where
+  the two times cross, between the last count at which the GEMM path was not more than 10% faster
+  and the first at which it was.
 
-Each is timed on one 16-expert layer of Qwen3-30B-A3B's projection shapes (2048 x 768), every expert
-given exactly the same tokens, alternating the candidates with the caches evicted before each run
-(as a model's other layers evict them) and keeping each one's best of three.
+Each is timed on a Qwen3-30B-A3B-shaped layer (128 experts of 2048 x 768, top-8, random routing; up
+to ~3 GB for the four layouts, ~1 minute in all), alternating the candidates with the caches
+evicted before each run (as a model's other layers evict them) and keeping each one's best of three.
 The choices are cached beside the doctor's figures (``$XDG_CACHE_HOME/hetmoe/tuning.json``), made on
 first use (``HETMOE_TUNE=0`` turns tuning off: the built-in defaults then apply) or by
 ``hetmoe doctor --tune``, and printed by ``hetmoe doctor``. ``HETMOE_INT_VECTOR_BITS``,
@@ -47,7 +48,7 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-TUNING_VERSION = 3
+TUNING_VERSION = 6
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -67,7 +68,9 @@ TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # the first: a decode step
 # configuration differ by that much (a bf16 decode step here: 4.2 and 5.3 ms in one tuning run), and
 # near the switch the two paths are within it, so a closer call is noise.
 SWITCH_MARGIN = 1.1
-EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2048, 768, 8
+# Qwen3-30B-A3B's layer (128 experts of 2048 x 768, top-8), as the benchmarks time it: a smaller
+# layer (16 experts, every expert given the same tokens) put the switches off by 2-4x.
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 _choices: dict[str, Any] | None = None
 
@@ -91,12 +94,14 @@ def _layer(method: str) -> list:
     ]
 
 
-def _balanced_inputs(tokens_per_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens of which every expert gets exactly ``tokens_per_expert`` (each token: 8 of the 16)."""
-    T = tokens_per_expert * EXPERTS // TOP_K
-    ids = torch.tensor([[(t % 2) * TOP_K + j for j in range(TOP_K)] for t in range(T)], dtype=torch.int64)
-    x = (torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(T)) * 0.5).bfloat16()
-    return x, ids, torch.full((T, TOP_K), 1.0 / TOP_K)
+def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens routed uniformly at random, ``tokens_per_expert`` an expert on average (one: a decode
+    step's single token): experts get every count around the average, as in a real prefill."""
+    T = max(1, tokens_per_expert * EXPERTS // TOP_K) if tokens_per_expert > 1 else 1
+    g = torch.Generator().manual_seed(seed + T)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(T)])
+    x = (torch.randn(T, HIDDEN, generator=g) * 0.5).bfloat16()
+    return x, ids, torch.softmax(torch.randn(T, TOP_K, generator=g), -1)
 
 
 _flush: CacheFlush | None = None
@@ -136,8 +141,7 @@ def tune(log=None) -> dict[str, Any]:
         if len(widths) > 1:
             gemv = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("int8", "int4")}
             total = dict.fromkeys(widths, 0.0)
-            decode = tuple(t[:1] for t in _balanced_inputs(2))  # one token, 8 experts
-            for label, inputs in (("decode", decode), ("8 tokens/expert", _balanced_inputs(8))):
+            for label, inputs in (("decode", _inputs(1)), ("8 tokens/expert", _inputs(8))):
                 for m, ce in gemv.items():
                     runs = {str(b): (lambda *a, b=b, ce=ce: (set_int_vector_bits(b), ce.forward(*a))) for b in widths}
                     times = _best_times(runs, inputs, reps=5)
@@ -154,7 +158,7 @@ def tune(log=None) -> dict[str, Any]:
         decoders = {
             m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("bf16", "int8", "int4")
         }
-        decode = tuple(t[:1] for t in _balanced_inputs(2))
+        decode = _inputs(1)
         for m, ce in decoders.items():
             runs = {h: (lambda *a, h=h, ce=ce: (set_weight_prefetch(h), ce.forward(*a))) for h in total}
             times = _best_times(runs, decode, reps=5)
@@ -162,6 +166,7 @@ def tune(log=None) -> dict[str, Any]:
                 total[h] += times[h]
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
         record["weight_prefetch"] = min(total, key=lambda h: total[h])
+        set_weight_prefetch(record["weight_prefetch"])  # the switch points below are measured with it
         log(f"tuned the GEMVs' weight prefetch: {record['weight_prefetch']}")
         for m in TUNED_METHODS:
             paths = {
@@ -171,16 +176,18 @@ def tune(log=None) -> dict[str, Any]:
             # One token an expert (a decode step) always streams through the GEMV: each weight read once
             # is the whole cost there, and the small layer here misjudged it (bf16: tiles looked faster
             # at 16 experts, the GEMV was 15% faster at Qwen3-30B-A3B's 128).
-            switch = 1
+            switch, last = 1, None
             for tpe in TOKENS_PER_EXPERT[1:]:
-                times = _best_times({k: ce.forward for k, ce in paths.items()}, _balanced_inputs(tpe), reps=5)
+                times = _best_times({k: ce.forward for k, ce in paths.items()}, _inputs(tpe), reps=3)
                 record["timings_ms"][f"{m} {tpe} tokens/expert"] = {k: round(v * 1e3, 3) for k, v in times.items()}
-                if times["gemv"] <= SWITCH_MARGIN * times["gemm"]:
-                    switch = tpe
-                else:
+                if times["gemv"] > SWITCH_MARGIN * times["gemm"]:
+                    if last is not None:
+                        switch = _crossing(switch, last, tpe, times)
                     break
-            # GEMV still faster at the largest count measured: it stays on the GEMV at every count.
-            record["gemv_max"][m] = GEMV_ALL_TOKENS if switch == TOKENS_PER_EXPERT[-1] else switch
+                switch, last = tpe, times
+            else:  # GEMV still competitive at the largest count measured: it takes every count
+                switch = GEMV_ALL_TOKENS
+            record["gemv_max"][m] = switch
             log(f"tuned {m}: GEMV up to {_describe(record['gemv_max'][m])} tokens an expert")
     finally:
         torch.set_num_threads(torch_threads)
@@ -191,6 +198,17 @@ def tune(log=None) -> dict[str, Any]:
     _choices = record
     apply(record)
     return record
+
+
+def _crossing(a: int, at_a: dict[str, float], b: int, at_b: dict[str, float]) -> int:
+    """Where the GEMV's time (linear in the tokens) meets the GEMM's, between counts a and b, as a
+    whole count: real routings give experts every count around the average, so the grid's last
+    count below the switch would send the experts just above it to the slower path."""
+    gemv_slope = (at_b["gemv"] - at_a["gemv"]) / (b - a)
+    gemm_slope = (at_b["gemm"] - at_a["gemm"]) / (b - a)
+    if gemv_slope <= gemm_slope:
+        return a
+    return max(a, min(b - 1, int(a + (at_a["gemm"] - at_a["gemv"]) / (gemv_slope - gemm_slope))))
 
 
 def _describe(gemv_max: int) -> str:
@@ -237,7 +255,7 @@ def apply(record: dict[str, Any]) -> None:
 
 def choices() -> dict[str, Any] | None:
     """The tuned choices for this machine: cached, or measured now on first use (one line on stderr;
-    ~10-30 s); None where ``HETMOE_TUNE=0`` (the built-in defaults, cached choices or not)."""
+    about a minute); None where ``HETMOE_TUNE=0`` (the built-in defaults, cached choices or not)."""
     global _choices
     if os.environ.get(TUNE_ENV, "1").strip() == "0":
         return None
@@ -246,8 +264,8 @@ def choices() -> dict[str, Any] | None:
     record = cached()
     if record is None:
         print(
-            f"hetmoe: measuring this machine's fastest kernel settings once (cached in {tuning_path()}; "
-            f"{TUNE_ENV}=0 skips)",
+            f"hetmoe: measuring this machine's fastest kernel settings once, about a minute (cached in "
+            f"{tuning_path()}; {TUNE_ENV}=0 skips)",
             file=sys.stderr,
         )
         record = tune()
