@@ -15,6 +15,7 @@
 #include "kernels.h"
 #include "linear_engine.h"
 #include "measure.h"
+#include "method_traits.h"
 #include "moe_engine.h"
 #include "norms.h"
 #include "numa.h"
@@ -91,11 +92,11 @@ Proj proj_from(const py::tuple& t) {
     throw py::value_error("fp8 scale group must be a positive multiple of 16");
   if (p.method == kInt8 && p.scale_kind == kScaleF16 && (!pow2_blocks || p.k % p.group != 0))
     throw py::value_error("int8 group scales must cover 32 times a power of two elements and divide K");
-  const bool gguf_native = p.method >= kQ4K;  // scales live inside the stored blocks
-  const bool superblocks = p.method == kQ4K || p.method == kQ6K || p.method == kQ5K || p.method == kIQ4XS;
-  if (superblocks && p.k % 256 != 0)
-    throw py::value_error("GGUF K-quant / IQ4_XS rows must hold whole 256-weight superblocks");
-  if (p.method != kBF16 && !gguf_native && !p.s) throw py::value_error("this method needs scales");
+  const MethodTraits& traits = method_traits(p.method);
+  if (p.k % traits.k_multiple != 0)
+    throw py::value_error(std::string(traits.name) + " rows must hold whole blocks of " +
+                          std::to_string(traits.k_multiple) + " weights");
+  if (p.method != kBF16 && !traits.scales_inside && !p.s) throw py::value_error("this method needs scales");
   return p;
 }
 
@@ -123,6 +124,20 @@ PYBIND11_MODULE(_C, m) {
     d["can_amx-emu"] = f.can_avx512() && f.avx512bf16;
     return d;
   });
+  m.def(
+      "methods",
+      [] {
+        py::list rows;
+        for (const MethodTraits& t : kMethodTraits) {
+          py::dict d;
+          d["id"] = int(t.method), d["name"] = t.name, d["block_weights"] = t.block_weights;
+          d["block_bytes"] = t.block_bytes, d["bits_per_weight"] = t.bits_per_weight;
+          d["scales_inside"] = t.scales_inside, d["k_multiple"] = t.k_multiple;
+          rows.append(d);
+        }
+        return rows;
+      },
+      "the engine's storage methods, one traits row each (csrc/method_traits.h)");
   m.def("best_isa", &best_isa, "the best kernel variant this CPU runs ('' if none)");
   m.def(
       "tile_matmul",

@@ -18,6 +18,7 @@
 
 #include "cpu_features.h"
 #include "kernels.h"
+#include "method_traits.h"
 #include "thread_pool.h"
 
 namespace hetmoe {
@@ -97,21 +98,10 @@ inline float* sized(std::vector<float>& v, size_t n) {
 // Whether the GEMM path of bf16 weights meets bf16 activations in the table's VDPBF16PS kernel.
 inline bool bf16_dot(const KernelTable* kt) { return kt->gemm_bf16 != nullptr && cpu_features().avx512bf16; }
 
-// The activation layout each method's GEMV kernel reads (Act in kernels.h).
+// The activation layout each method's GEMV kernel reads (Act in kernels.h), at the width it runs.
 inline int act_quant_for(const KernelTable* kt, int method, int K) {
-  switch (method) {
-    case kInt4:
-    case kMXFP4: return kt->act_layout(kActPairs, K);
-    case kQ4_0:
-    case kIQ4NL:
-    case kIQ4XS: return kt->act_layout(kActQuadsHalves, K);
-    case kQ4K:
-    case kQ5K: return kt->act_layout(kActQuadsK, K);
-    case kQ6K: return kt->act_layout(kActQuadsQ6K, K);
-    case kInt8:
-    case kQ8_0: return kt->act_layout(kActNatural, K);
-    default: return kActNone;
-  }
+  const int mode = method_traits(method).gemv_act;
+  return mode == kActNone ? kActNone : kt->act_layout(mode, K);
 }
 
 inline uint16_t f32_to_bf16(float f) {
@@ -132,8 +122,7 @@ inline uint16_t f32_to_bf16(float f) {
 // 1-8% faster. (32 KiB -> 256 KiB had taken int4 0.779 -> 0.723 ms.)
 constexpr int64_t kItemBytes = 1 << 20;
 inline int item_rows(const Proj& p, int n, int min_items) {
-  static const double kBitsPerWeight[kNumMethods] = {16, 8, 4.5, 4.25, 8, 4.5, 6.5625, 5.5, 4.25, 4.5, 8.5, 4.5};
-  const double bytes = double(n) * p.k * kBitsPerWeight[p.method] / 8;
+  const double bytes = double(n) * p.k * method_traits(p.method).bits_per_weight / 8;
   const int panels = (n + kPanelRows - 1) / kPanelRows;
   const int items = std::min(panels, std::max(min_items, static_cast<int>((bytes + kItemBytes - 1) / kItemBytes)));
   return ((panels + items - 1) / items) * kPanelRows;

@@ -67,6 +67,18 @@ def select_isa(isa: str) -> str:
     return engine_module().select_isa(isa)
 
 
+_method_ids: dict[str, int] | None = None
+
+
+def engine_method_id(name: str) -> int:
+    """The engine's id of a stored layout (``"bf16"``, ``"int4"``, ``"gguf:q4_k"``, ...), from its traits
+    table (csrc/method_traits.h, ``_C.methods()``); a KeyError for a layout it has no row for."""
+    global _method_ids
+    if _method_ids is None:
+        _method_ids = {row["name"]: int(row["id"]) for row in engine_module().methods()}
+    return _method_ids[name]
+
+
 def selected_isa() -> str:
     return engine_module().selected_isa()
 

@@ -19,14 +19,13 @@ import torch
 from torch import nn
 
 from ..formats import FormatError, QuantizedTensor, get_codec
+from ..formats.gguf import GGML_TYPES
 from ..kernels.dispatch import engine_module
 from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
 from .tuning import tuned_gemv_max
 
 _ENGINE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _GROUPED = ("int4", "int4-asym", "gptq")
-# GGUF types whose rows are made of 256-weight superblocks (the rest use blocks of 32).
-_SUPERBLOCKS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_xs")
 
 
 def codec_params(method: str, group_size: int | None) -> dict[str, int]:
@@ -40,8 +39,11 @@ def unsupported_reason(method: str, in_features: int, group_size: int | None = N
         return f"in_features {in_features} is not a multiple of 32"
     if method in _GROUPED and in_features % (group_size or 32):
         return f"in_features {in_features} is not a multiple of the group size {group_size or 32}"
-    if method.startswith("gguf:") and method.split(":", 1)[1].lower() in _SUPERBLOCKS and in_features % 256:
-        return f"in_features {in_features} is not a multiple of {method}'s 256-weight superblocks"
+    if method.startswith("gguf:"):
+        info = GGML_TYPES.get(method.split(":", 1)[1].upper())
+        block = info.block_elements if info is not None else 32
+        if in_features % block:
+            return f"in_features {in_features} is not a multiple of {method}'s {block}-weight blocks"
     return None
 
 

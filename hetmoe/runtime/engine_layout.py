@@ -22,10 +22,11 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..formats.packing import pack_nibbles, unpack_int32
+from ..kernels.dispatch import engine_method_id
 from .gguf_transcode import transcode
 
-# Engine ids: csrc/kernels.h Method and ScaleKind.
-BF16, INT8, INT4, MXFP4, FP8 = 0, 1, 2, 3, 4
+# Scale kinds: csrc/kernels.h ScaleKind. (Method ids come from the engine's traits table:
+# kernels.dispatch.engine_method_id.)
 SCALE_F32, SCALE_BF16, SCALE_F16, SCALE_E8M0 = 0, 1, 2, 3
 ENGINE_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel", "gguf:*")
 
@@ -128,10 +129,14 @@ def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
             tc.codes, tc.scales, None, tc.group, 1, tc.method_id, tc.scale_kind, repacked_bytes=repacked, note=note
         )
     if q.method == "bf16":
-        return EngineProjection(_rows_contiguous(t[".weight"], name), None, None, k, 1, BF16, SCALE_F32)
+        return EngineProjection(
+            _rows_contiguous(t[".weight"], name), None, None, k, 1, engine_method_id("bf16"), SCALE_F32
+        )
     if q.method == "int8":
         s = t[".weight_scale"].float().contiguous()
-        return EngineProjection(_rows_contiguous(t[".weight"], name), s, None, k, 1, INT8, SCALE_F32)
+        return EngineProjection(
+            _rows_contiguous(t[".weight"], name), s, None, k, 1, engine_method_id("int8"), SCALE_F32
+        )
     if q.method in ("int4", "int4-asym"):
         group = int(q.params.get("group_size", 32))
         _check_group(group, k, name)
@@ -143,7 +148,14 @@ def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
             repacked = zeros.numel() if ct else 0
         scales = _rows_contiguous(t[".weight_scale"], name)
         return EngineProjection(
-            _rows_contiguous(codes, name), scales, zeros, group, 1, INT4, SCALE_BF16, repacked_bytes=repacked
+            _rows_contiguous(codes, name),
+            scales,
+            zeros,
+            group,
+            1,
+            engine_method_id("int4"),
+            SCALE_BF16,
+            repacked_bytes=repacked,
         )
     if q.method == "gptq":
         group = int(q.params.get("group_size", 128))
@@ -155,19 +167,25 @@ def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
         if not q.params.get("sym", True):
             zeros = codec.zero_points(q).transpose(-1, -2).to(torch.uint8).contiguous()
         repacked = codes.numel() + scales.numel() * 2 + (zeros.numel() if zeros is not None else 0)
-        return EngineProjection(codes, scales, zeros, group, 1, INT4, SCALE_F16, repacked_bytes=repacked)
+        return EngineProjection(
+            codes, scales, zeros, group, 1, engine_method_id("int4"), SCALE_F16, repacked_bytes=repacked
+        )
     if q.method == "mxfp4":
         blocks = t["_blocks"]
         codes = blocks.reshape(e, n, k // 2) if blocks.is_contiguous() else blocks.contiguous().reshape(e, n, k // 2)
-        return EngineProjection(codes, _rows_contiguous(t["_scales"], name), None, 32, 1, MXFP4, SCALE_E8M0)
+        return EngineProjection(
+            codes, _rows_contiguous(t["_scales"], name), None, 32, 1, engine_method_id("mxfp4"), SCALE_E8M0
+        )
     if q.method == "fp8":
         bn, bk = (int(b) for b in q.params.get("block_size", (128, 128)))
         if bk % 16:
             raise FormatError(name, "an fp8 column block that is a multiple of 16", f"{bk}")
         codes = _rows_contiguous(t[".weight"], name).view(torch.uint8)
         scales = t[".weight_scale_inv"].float().contiguous()
-        return EngineProjection(codes, scales, None, bk, bn, FP8, SCALE_F32)
+        return EngineProjection(codes, scales, None, bk, bn, engine_method_id("fp8"), SCALE_F32)
     # fp8-channel
     qc = codec.canonical(q, name)
     codes = _rows_contiguous(qc.tensors[".weight"], name).view(torch.uint8)
-    return EngineProjection(codes, qc.tensors[".weight_scale"].contiguous(), None, k, 1, FP8, SCALE_F32)
+    return EngineProjection(
+        codes, qc.tensors[".weight_scale"].contiguous(), None, k, 1, engine_method_id("fp8"), SCALE_F32
+    )

@@ -18,10 +18,18 @@ import torch
 
 from ..formats import QuantizedTensor, get_codec, snr_db
 from ..formats.gguf import dequantize_blocks
+from ..kernels.dispatch import engine_method_id
 
 SCALE_F16 = 2
-# Engine Method ids (csrc/kernels.h) of the block formats with their own kernels.
-NATIVE = {"Q4_K": 5, "Q6_K": 6, "Q5_K": 7, "IQ4_XS": 8, "Q4_0": 9, "Q8_0": 10, "IQ4_NL": 11}
+
+
+def native_id(ggml: str) -> int | None:
+    """The engine's method id of a GGUF block type it runs from its own bytes (its traits table has a
+    ``gguf:`` row for it), else None."""
+    try:
+        return engine_method_id(f"gguf:{ggml.lower()}")
+    except KeyError:
+        return None
 
 
 @dataclass
@@ -45,30 +53,32 @@ def _int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def transcode(q: QuantizedTensor) -> Transcoded:
     """``q``: a stacked ``gguf:*`` projection ``[E, N, K]`` -> what the engine runs."""
-    from .engine_layout import BF16, INT4, INT8, SCALE_BF16, SCALE_F32
+    from .engine_layout import SCALE_BF16, SCALE_F32
 
     ggml = str(q.params["ggml_type"]).upper()
     raw = q.tensors[".weight"]
     e, n, k = q.shape
-    if ggml in NATIVE:
+    native = native_id(ggml)
+    if native is not None:
         if raw.stride(-1) != 1:
             raw = raw.contiguous()
-        return Transcoded(raw, None, NATIVE[ggml], SCALE_F32, 32, f"{ggml} native", float("inf"))
+        return Transcoded(raw, None, native, SCALE_F32, 32, f"{ggml} native", float("inf"))
     stored = dequantize_blocks(raw, ggml).reshape(e, n, k)
     if ggml in ("F16", "BF16", "F32"):
         codes = stored.to(torch.bfloat16)
-        return Transcoded(codes, None, BF16, SCALE_F32, k, "bf16", snr_db(stored, codes.float()))
+        return Transcoded(codes, None, engine_method_id("bf16"), SCALE_F32, k, "bf16", snr_db(stored, codes.float()))
     bits = get_codec(f"gguf:{ggml.lower()}").bits_per_weight((n, k))
     if bits >= 4.0:
         codes, scales = _int8_groups(stored)
         back = codes.float().reshape(e, n, -1, 32) * scales.float().unsqueeze(-1)
-        return Transcoded(codes, scales, INT8, SCALE_F16, 32, "int8 g32", snr_db(stored, back.reshape(e, n, k)))
+        snr = snr_db(stored, back.reshape(e, n, k))
+        return Transcoded(codes, scales, engine_method_id("int8"), SCALE_F16, 32, "int8 g32", snr)
     codec = get_codec("int4", group_size=32)
     q4 = codec.quantize(stored)
     return Transcoded(
         q4.tensors[".weight"],
         q4.tensors[".weight_scale"],
-        INT4,
+        engine_method_id("int4"),
         SCALE_BF16,
         32,
         "int4 g32",
