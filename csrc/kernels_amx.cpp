@@ -1,4 +1,4 @@
-// AMX variant: the AVX-512 kernels, with prefill GEMMs on AMX-BF16 tiles (TDPBF16PS).
+// AMX variant: the AVX-512 kernels, with prefill GEMMs on AMX tiles (TDPBF16PS; TDPBSSD for int8).
 // Compiled with -mamx-tile -mamx-bf16 plus the AVX-512 flags (setup.py); selected only where CPUID
 // reports AMX and the kernel granted this process tile data (cpu_features.cpp). The same source,
 // compiled with HETMOE_AMX_EMULATED (kernels_amx_emu.cpp), runs its tile operations through the
@@ -14,9 +14,9 @@
 // whole K loop, A in tiles 4-5, B in tiles 6-7 (all eight, configured per call: configure_tiles).
 //
 // Accuracy: a value v is split as hi = bf16(v) and lo = bf16(v - hi), and the product is
-// w_hi x_hi + w_hi x_lo + w_lo x_hi: each bf16 product is exact in fp32 and the dropped w_lo x_lo
-// and the rounding of the two lo terms are each below 2^-16 of the product, so the sum is as
-// accurate as an fp32 dot product (accumulation in fp32). Where a side is exactly bf16 (bf16
+// w_hi x_hi + w_hi x_lo + w_lo x_hi: each bf16 product is exact in fp32, and the dropped w_lo x_lo
+// and the rounding of the two lo terms are each at most 2^-18 of the product (3 * 2^-18 ~ 1.1e-5 in
+// all; accumulation in fp32), against bf16 operands' ~4e-3. Where a side is exactly bf16 (bf16
 // weights; bf16 activations) its lo term is absent and the pass is skipped: bf16 x bf16 is one pass.
 #include <immintrin.h>
 

@@ -3,7 +3,7 @@
 // weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A
 // tiles as stored, and so are int8 codes (on int8 tiles); 4-bit codes are dequantized into tiles by
 // their own kernel; every other method is dequantized to an fp32 panel by its dequant_rows kernel
-// and split into bf16 hi and lo rows (the split keeps fp32 accuracy: kernels_amx.cpp).
+// and split into bf16 hi and lo rows (the split keeps ~1e-5 accuracy: kernels_amx.cpp).
 //
 // Compiled with the baseline flags only, like engine_common.h.
 #pragma once
