@@ -90,7 +90,9 @@ Buf<T> uninit(size_t n) {
   return Buf<T>(static_cast<T*>(buffer_cache().get(bytes)), Recycle{bytes});
 }
 
-inline float* sized(std::vector<float>& v, size_t n) {
+// A scratch vector grown to at least n elements (never shrunk: per-worker buffers keep their size).
+template <typename T>
+T* sized(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }

@@ -71,6 +71,15 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// 16 rows of 64 bytes (token n's 16 dwords) at src, 64-byte aligned, stored as the B tile's 16 rows of
+// 16 tokens' dwords at dst.
+inline void store_transposed(const void* src, void* dst) {
+  __m512i r[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(static_cast<const uint8_t*>(src) + 64 * n);
+  transpose16(r);
+  for (int k = 0; k < 16; ++k) _mm512_storeu_si512(static_cast<uint8_t*>(dst) + 64 * k, r[k]);
+}
+
 // Activation rows as B tiles (layout above): hi[(j * K/32 + s) * 512 ...] is the tile of tokens
 // [16j, 16j + 16) and k [32s, 32s + 32); tokens past T are zero. lo (optional) the same for the
 // remainders.
@@ -89,14 +98,8 @@ void amx_pack(const float* const* a, int T, int K, uint16_t* hi, uint16_t* lo) {
         }
       }
       // Token n's 16 pairs are dwords 0-15 of its row; the tile wants pair kp's 16 tokens in a row.
-      for (int part = 0; part < (lo ? 2 : 1); ++part) {
-        uint16_t(*src)[32] = part ? rows_lo : rows_hi;
-        uint16_t* dst = (part ? lo : hi) + (int64_t(j) * S + s) * 512;
-        __m512i r[16];
-        for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(src[n]);
-        transpose16(r);
-        for (int kp = 0; kp < 16; ++kp) _mm512_storeu_si512(dst + kp * 32, r[kp]);
-      }
+      store_transposed(rows_hi[0], hi + (int64_t(j) * S + s) * 512);
+      if (lo) store_transposed(rows_lo[0], lo + (int64_t(j) * S + s) * 512);
     }
 }
 
@@ -130,6 +133,73 @@ inline void store_c(const float (*tile)[16], int r0, int R, int t0, int T, float
     _mm512_mask_storeu_ps(c + int64_t(t0 + n) * ldc + r0, mask, _mm512_castsi512_ps(r[n]));
 }
 
+// ---- The bf16 tile loop both bf16 GEMMs (amx_gemm, gemm_nibble_t) run ----
+// C tile 2g + b: row group g (rows 16g..16g+15) x token tile b of a pair. A rows in tiles 4-5, B in 6-7.
+inline void dp_block(bool two_rows, bool two_tok) {
+  TILE_DPBF16PS(0, 4, 6);
+  if (two_tok) TILE_DPBF16PS(1, 4, 7);
+  if (two_rows) TILE_DPBF16PS(2, 5, 6);
+  if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
+}
+
+inline void zero_c() {
+  TILE_ZERO(0);
+  TILE_ZERO(1);
+  TILE_ZERO(2);
+  TILE_ZERO(3);
+}
+// The four C tiles to and from memory as [4][16][16] floats.
+inline void save_c(float* cc) {
+  TILE_STORE(0, cc, 64);
+  TILE_STORE(1, cc + 256, 64);
+  TILE_STORE(2, cc + 512, 64);
+  TILE_STORE(3, cc + 768, 64);
+}
+inline void load_c(const float* cc) {
+  TILE_LOAD(0, cc, 64);
+  TILE_LOAD(1, cc + 256, 64);
+  TILE_LOAD(2, cc + 512, 64);
+  TILE_LOAD(3, cc + 768, 64);
+}
+
+// Token pair j's C tiles, saved as [4][16][16], to c: rows clipped to R, tokens to T.
+inline void write_c(const float (*out)[16][16], int j, int J, int R, int T, float* c, int ldc) {
+  for (int g = 0; g < (R > 16 ? 2 : 1); ++g) {
+    store_c(out[2 * g], 16 * g, R, 16 * j, T, c, ldc);
+    if (j + 1 < J) store_c(out[2 * g + 1], 16 * g, R, 16 * j + 16, T, c, ldc);
+  }
+}
+
+// The tile products of ns k-steps into the C tiles: w_hi x_hi, then w_hi x_lo and w_lo x_hi where
+// the lo parts exist. Step s's A rows start at a_hi + 32 s (rows 16-31 a_row16 elements further),
+// a_stride bytes apart; its B tiles are x + b0 + (b_step0 + s) * 512 (and + b1 for the second token tile).
+inline void tile_ksteps(const uint16_t* a_hi, const uint16_t* a_lo, int64_t a_stride, int64_t a_row16,
+                        const uint16_t* x_hi, const uint16_t* x_lo, int64_t b0, int64_t b1, int b_step0, int ns,
+                        bool two_rows, bool two_tok) {
+  for (int s = 0; s < ns; ++s) {
+    const int64_t k0 = 32 * s, bs = int64_t(b_step0 + s) * 512;
+    TILE_LOAD(4, a_hi + k0, a_stride);
+    if (two_rows) TILE_LOAD(5, a_hi + a_row16 + k0, a_stride);
+    TILE_LOAD(6, x_hi + b0 + bs, 64);
+    if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
+    dp_block(two_rows, two_tok);
+    if (x_lo) {  // w_hi x_lo
+      TILE_LOAD(6, x_lo + b0 + bs, 64);
+      if (two_tok) TILE_LOAD(7, x_lo + b1 + bs, 64);
+      dp_block(two_rows, two_tok);
+    }
+    if (a_lo) {  // w_lo x_hi
+      TILE_LOAD(4, a_lo + k0, a_stride);
+      if (two_rows) TILE_LOAD(5, a_lo + a_row16 + k0, a_stride);
+      if (x_lo) {
+        TILE_LOAD(6, x_hi + b0 + bs, 64);
+        if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
+      }
+      dp_block(two_rows, two_tok);
+    }
+  }
+}
+
 // c[t * ldc + r] = dot(w[r], x[t]) for r < R (<= 32), t < T, K a multiple of 32; the passes the
 // header describes. w_hi (and w_lo) rows are w_stride elements apart and 16 * ceil(R / 16) of them
 // must be readable (rows past R are computed and dropped). x_hi / x_lo: amx_pack's tiles.
@@ -137,63 +207,13 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
               const uint16_t* x_lo, int T, float* c, int ldc) {
   configure_tiles();
   const int S = K / 32, J = (T + 15) / 16;
-  const int64_t wb = w_stride * 2;
-  const bool two_rows = R > 16;
-  const uint16_t* w_hi1 = w_hi + 16 * w_stride;
-  const uint16_t* w_lo1 = w_lo ? w_lo + 16 * w_stride : nullptr;
-  alignas(64) float out[16][16];
+  alignas(64) float out[4][16][16];
   for (int j = 0; j < J; j += 2) {
-    const bool two_tok = j + 1 < J;
     const int64_t b0 = int64_t(j) * S * 512, b1 = b0 + int64_t(S) * 512;
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(2);
-    TILE_ZERO(3);
-    for (int s = 0; s < S; ++s) {
-      const int64_t k0 = 32 * s, bs = int64_t(s) * 512;
-      TILE_LOAD(4, w_hi + k0, wb);
-      if (two_rows) TILE_LOAD(5, w_hi1 + k0, wb);
-      TILE_LOAD(6, x_hi + b0 + bs, 64);
-      if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
-      TILE_DPBF16PS(0, 4, 6);
-      if (two_tok) TILE_DPBF16PS(1, 4, 7);
-      if (two_rows) TILE_DPBF16PS(2, 5, 6);
-      if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
-      if (x_lo) {  // w_hi x_lo
-        TILE_LOAD(6, x_lo + b0 + bs, 64);
-        if (two_tok) TILE_LOAD(7, x_lo + b1 + bs, 64);
-        TILE_DPBF16PS(0, 4, 6);
-        if (two_tok) TILE_DPBF16PS(1, 4, 7);
-        if (two_rows) TILE_DPBF16PS(2, 5, 6);
-        if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
-      }
-      if (w_lo) {  // w_lo x_hi
-        TILE_LOAD(4, w_lo + k0, wb);
-        if (two_rows) TILE_LOAD(5, w_lo1 + k0, wb);
-        if (x_lo) {
-          TILE_LOAD(6, x_hi + b0 + bs, 64);
-          if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
-        }
-        TILE_DPBF16PS(0, 4, 6);
-        if (two_tok) TILE_DPBF16PS(1, 4, 7);
-        if (two_rows) TILE_DPBF16PS(2, 5, 6);
-        if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
-      }
-    }
-    TILE_STORE(0, out, 64);
-    store_c(out, 0, R, 16 * j, T, c, ldc);
-    if (two_tok) {
-      TILE_STORE(1, out, 64);
-      store_c(out, 0, R, 16 * j + 16, T, c, ldc);
-    }
-    if (two_rows) {
-      TILE_STORE(2, out, 64);
-      store_c(out, 16, R, 16 * j, T, c, ldc);
-      if (two_tok) {
-        TILE_STORE(3, out, 64);
-        store_c(out, 16, R, 16 * j + 16, T, c, ldc);
-      }
-    }
+    zero_c();
+    tile_ksteps(w_hi, w_lo, w_stride * 2, 16 * w_stride, x_hi, x_lo, b0, b1, 0, S, R > 16, j + 1 < J);
+    save_c(out[0][0]);
+    write_c(out, j, J, R, T, c, ldc);
   }
   tile_release();
 }
@@ -275,90 +295,37 @@ void dequant_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0,
 template <int Decode, int Kind>
 void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
                    int ldc) {
-  constexpr bool kLo = Decode != kNibbleE2M1;  // the weights' own remainder pass
   const int K = p.k, S = K / 32, J = (T + 15) / 16, pairs = (J + 1) / 2;
   const bool two_rows = R > 16;
   const int rows = two_rows ? 32 : 16;
   alignas(64) uint16_t a_hi[32 * kNibbleChunk], a_lo[32 * kNibbleChunk];
   thread_local std::vector<float> carried;  // C tiles of every token pair between chunks, past one pair
   if (pairs > 1 && carried.size() < size_t(pairs) * 4 * 256) carried.resize(size_t(pairs) * 4 * 256);
-  constexpr int64_t kAStride = kNibbleChunk * 2;
   configure_tiles();
   for (int k0 = 0; k0 < K; k0 += kNibbleChunk) {
     const int kc = K - k0 < kNibbleChunk ? K - k0 : kNibbleChunk;
     dequant_nibble_chunk<Decode, Kind>(p, e, r0, R, rows, k0, kc, a_hi, a_lo);
     for (int jp = 0; jp < pairs; ++jp) {
       const int j = 2 * jp;
-      const bool two_tok = j + 1 < J;
       float* cc = pairs > 1 ? carried.data() + size_t(jp) * 4 * 256 : nullptr;
-      if (k0 == 0) {
-        TILE_ZERO(0);
-        TILE_ZERO(1);
-        TILE_ZERO(2);
-        TILE_ZERO(3);
-      } else if (cc) {
-        TILE_LOAD(0, cc, 64);
-        TILE_LOAD(1, cc + 256, 64);
-        TILE_LOAD(2, cc + 512, 64);
-        TILE_LOAD(3, cc + 768, 64);
-      }
+      if (k0 == 0)
+        zero_c();
+      else if (cc)
+        load_c(cc);
       const int64_t b0 = int64_t(j) * S * 512, b1 = b0 + int64_t(S) * 512;
-      for (int s = 0; s < kc / 32; ++s) {
-        const int64_t bs = int64_t(k0 / 32 + s) * 512;
-        TILE_LOAD(4, a_hi + 32 * s, kAStride);
-        if (two_rows) TILE_LOAD(5, a_hi + 16 * kNibbleChunk + 32 * s, kAStride);
-        TILE_LOAD(6, x_hi + b0 + bs, 64);
-        if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
-        TILE_DPBF16PS(0, 4, 6);
-        if (two_tok) TILE_DPBF16PS(1, 4, 7);
-        if (two_rows) TILE_DPBF16PS(2, 5, 6);
-        if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
-        if (x_lo) {
-          TILE_LOAD(6, x_lo + b0 + bs, 64);
-          if (two_tok) TILE_LOAD(7, x_lo + b1 + bs, 64);
-          TILE_DPBF16PS(0, 4, 6);
-          if (two_tok) TILE_DPBF16PS(1, 4, 7);
-          if (two_rows) TILE_DPBF16PS(2, 5, 6);
-          if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
-        }
-        if (kLo) {
-          TILE_LOAD(4, a_lo + 32 * s, kAStride);
-          if (two_rows) TILE_LOAD(5, a_lo + 16 * kNibbleChunk + 32 * s, kAStride);
-          if (x_lo) {
-            TILE_LOAD(6, x_hi + b0 + bs, 64);
-            if (two_tok) TILE_LOAD(7, x_hi + b1 + bs, 64);
-          }
-          TILE_DPBF16PS(0, 4, 6);
-          if (two_tok) TILE_DPBF16PS(1, 4, 7);
-          if (two_rows) TILE_DPBF16PS(2, 5, 6);
-          if (two_rows && two_tok) TILE_DPBF16PS(3, 5, 7);
-        }
-      }
-      if (cc) {
-        TILE_STORE(0, cc, 64);
-        TILE_STORE(1, cc + 256, 64);
-        TILE_STORE(2, cc + 512, 64);
-        TILE_STORE(3, cc + 768, 64);
-      }
+      // mxfp4's weights are exact bf16: no lo pass (a_lo is never written for it)
+      tile_ksteps(a_hi, Decode != kNibbleE2M1 ? a_lo : nullptr, kNibbleChunk * 2, 16 * kNibbleChunk, x_hi, x_lo,
+                  b0, b1, k0 / 32, kc / 32, two_rows, j + 1 < J);
+      if (cc) save_c(cc);
     }
   }
   alignas(64) float out[4][16][16];
   for (int jp = 0; jp < pairs; ++jp) {
-    const int j = 2 * jp;
-    if (pairs > 1) {
+    if (pairs > 1)
       std::memcpy(out, carried.data() + size_t(jp) * 4 * 256, sizeof(out));
-    } else {
-      TILE_STORE(0, out[0], 64);
-      TILE_STORE(1, out[1], 64);
-      TILE_STORE(2, out[2], 64);
-      TILE_STORE(3, out[3], 64);
-    }
-    store_c(out[0], 0, R, 16 * j, T, c, ldc);
-    if (j + 1 < J) store_c(out[1], 0, R, 16 * j + 16, T, c, ldc);
-    if (two_rows) {
-      store_c(out[2], 16, R, 16 * j, T, c, ldc);
-      if (j + 1 < J) store_c(out[3], 16, R, 16 * j + 16, T, c, ldc);
-    }
+    else
+      save_c(out[0][0]);
+    write_c(out, 2 * jp, J, R, T, c, ldc);
   }
   tile_release();
 }
@@ -419,14 +386,8 @@ void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, fl
         }
       }
       // Token n's 16 dwords (4 digits each) to the tile's rows of 16 tokens, as amx_pack's pairs.
-      for (int part = 0; part < 2; ++part) {
-        int8_t(*src)[64] = part ? rows_lo : rows_hi;
-        int8_t* dst = (part ? lo : hi) + (int64_t(j) * S + s) * 1024;
-        __m512i r[16];
-        for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(src[n]);
-        transpose16(r);
-        for (int kq = 0; kq < 16; ++kq) _mm512_storeu_si512(dst + kq * 64, r[kq]);
-      }
+      store_transposed(rows_hi[0], hi + (int64_t(j) * S + s) * 1024);
+      store_transposed(rows_lo[0], lo + (int64_t(j) * S + s) * 1024);
     }
   }
 }

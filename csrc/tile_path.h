@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "engine_common.h"
 #include "kernels.h"
 
 namespace hetmoe {
@@ -28,19 +29,14 @@ inline bool tile_int8(const KernelTable* kt, const Proj& p) {
 }
 
 // Per-worker buffers: packed activations (bf16 hi/lo, int8 digits), a dequantized panel and its bf16
-// rows.
+// rows, a tail of stored rows.
 struct TileScratch {
   std::vector<uint16_t> x_hi, x_lo, w_hi, w_lo;
   std::vector<int8_t> q_hi, q_lo;
   std::vector<float> panel, q_d;
+  std::vector<uint8_t> tail;  // stored rows copied beside zero rows (tile_rows_as_stored)
 };
 inline thread_local TileScratch tl_tile;
-
-template <typename T>
-T* grown(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
 
 // Activations packed for the tile GEMMs, in the calling thread's scratch (valid until its next pack):
 // bf16 hi and lo (lo nullptr: the rows are exactly bf16), int8 digits and their scales.
@@ -61,16 +57,16 @@ inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T
   TileActs x;
   x.T = T;
   if (!tile_int8(kt, a) || !tile_int8(kt, b)) {
-    uint16_t* hi = grown(tl_tile.x_hi, n);
-    uint16_t* lo = with_lo ? grown(tl_tile.x_lo, n) : nullptr;
+    uint16_t* hi = sized(tl_tile.x_hi, n);
+    uint16_t* lo = with_lo ? sized(tl_tile.x_lo, n) : nullptr;
     kt->amx_pack(rows, T, K, hi, lo);
     x.hi = hi;
     x.lo = lo;
   }
   if (tile_int8(kt, a) || tile_int8(kt, b)) {
-    int8_t* hi = grown(tl_tile.q_hi, n);
-    int8_t* lo = grown(tl_tile.q_lo, n);
-    float* d = grown(tl_tile.q_d, size_t(T + 15) / 16 * 16);
+    int8_t* hi = sized(tl_tile.q_hi, n);
+    int8_t* lo = sized(tl_tile.q_lo, n);
+    float* d = sized(tl_tile.q_d, size_t(T + 15) / 16 * 16);
     kt->amx_pack_i8(rows, T, K, hi, lo, d);
     x.q_hi = hi;
     x.q_lo = lo;
@@ -86,7 +82,7 @@ inline const uint8_t* tile_rows_as_stored(const Proj& p, int e, int r0, int R, i
   const uint8_t* w = p.w + e * p.w_estride + int64_t(r0) * p.w_rstride;
   stride = p.w_rstride;
   if (R == padded) return w;
-  uint8_t* copy = grown(tail, size_t(padded) * bytes);
+  uint8_t* copy = sized(tail, size_t(padded) * bytes);
   for (int r = 0; r < R; ++r) std::memcpy(copy + r * bytes, w + r * p.w_rstride, bytes);
   std::memset(copy + R * bytes, 0, size_t(padded - R) * bytes);
   stride = bytes;
@@ -96,7 +92,7 @@ inline const uint8_t* tile_rows_as_stored(const Proj& p, int e, int r0, int R, i
 // c[t * ldc + (n - n0)] = dot(W_e[n], x_t) for rows [n0, n1) of one projection, t < x.T.
 inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n1, const TileActs& x, float* c,
                       int ldc) {
-  thread_local std::vector<uint8_t> tail;
+  std::vector<uint8_t>& tail = tl_tile.tail;
   const int K = p.k;
   for (int r0 = n0; r0 < n1; r0 += kAmxRows) {
     const int r1 = std::min(n1, r0 + kAmxRows), R = r1 - r0;
@@ -123,12 +119,12 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
                    out, ldc);
       continue;
     }
-    float* panel = grown(tl_tile.panel, size_t(padded) * K);
+    float* panel = sized(tl_tile.panel, size_t(padded) * K);
     for (int q0 = r0; q0 < r1; q0 += kPanelRows)  // dequant_rows takes at most kPanelRows rows
       kt->dequant_rows[p.method](p, e, q0, std::min(r1, q0 + kPanelRows), panel + size_t(q0 - r0) * K);
     std::memset(panel + size_t(R) * K, 0, size_t(padded - R) * K * sizeof(float));
-    uint16_t* hi = grown(tl_tile.w_hi, size_t(padded) * K);
-    uint16_t* lo = grown(tl_tile.w_lo, size_t(padded) * K);
+    uint16_t* hi = sized(tl_tile.w_hi, size_t(padded) * K);
+    uint16_t* lo = sized(tl_tile.w_lo, size_t(padded) * K);
     kt->amx_split(panel, padded, K, hi, lo);
     kt->amx_gemm(hi, lo, K, R, K, x.hi, x.lo, x.T, out, ldc);
   }

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.atomic import write_text_atomic
 from ..formats.random_layout import random_projection
 from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import (
@@ -225,9 +226,7 @@ def _store(record: dict[str, Any]) -> None:
     cache[_key()] = record
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(cache, indent=1))
     except OSError:  # a read-only home is no reason to fail: the choices hold for this process
         pass
 
