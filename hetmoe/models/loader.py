@@ -45,6 +45,7 @@ from .dense_engine import DenseConverter
 from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
+from .mla_attention import install_mla
 from .planner import plan_memory
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -195,6 +196,7 @@ def load_model(
         fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
         fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
         install_fast_decode(model)  # one-token decoder layers without transformers' glue (fast_decode.py)
+        install_mla(model, adapter)  # latent attention in the absorbed form (mla_attention.py)
     _load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(

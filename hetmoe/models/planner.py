@@ -409,10 +409,10 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> tuple[int, s
     full = sum(1 for t in types if t == "full_attention")
     sliding = sum(1 for t in types if t in ("sliding_attention", "sliding_window"))
     linear = len(types) - full - sliding
-    if config.get("kv_lora_rank"):  # MLA: transformers caches the decompressed per-head K and V
-        k_dim = int(config.get("qk_nope_head_dim", 0)) + int(config.get("qk_rope_head_dim", 0))
-        per_layer = heads * (k_dim + int(config.get("v_head_dim", 0))) * dtype_bytes
-        how = f"MLA, {heads} heads x (K {k_dim} + V {config.get('v_head_dim')})"
+    if config.get("kv_lora_rank"):  # MLA: one latent row a token (mla_attention.py; transformers' too)
+        rank, rope_dim = int(config["kv_lora_rank"]), int(config.get("qk_rope_head_dim", 0))
+        per_layer = (rank + rope_dim) * dtype_bytes
+        how = f"MLA latent, kv_lora_rank {rank} + rope key {rope_dim}"
     else:
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(1, heads))

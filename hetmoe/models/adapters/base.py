@@ -47,6 +47,9 @@ class MoEAdapter(ABC):
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # transformers model_type to build the model with when the checkpoint's is an alias.
     transformers_model_type: ClassVar[str | None] = None
+    # The attention family: "gqa" (grouped-query heads, models/cpu_attention.py) or "mla" (latent
+    # attention, models/mla_attention.py, which then calls ``mla_rotary``).
+    attention: ClassVar[str] = "gqa"
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -106,6 +109,13 @@ class MoEAdapter(ABC):
         if getattr(self.config, "hidden_act", "silu") in ("silu", "swish"):
             return {}
         return None
+
+    def mla_rotary(
+        self, attn: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA only: the rotary embedding of the query's ``[B, H, T, rope]`` and the shared key's
+        ``[B, 1, T, rope]`` rotary parts, exactly as the architecture's attention forward applies it."""
+        raise NotImplementedError(f"{self.name} has no latent attention")
 
     def top_k(self) -> int:
         return int(self.config.num_experts_per_tok)

@@ -1,7 +1,12 @@
 """DeepSeek-V2 (and V2-Lite): softmax scores in fp32 from an fp32 router, greedy or group-limited
-top-k, scaled by routed_scaling_factor; ungated shared experts."""
+top-k, scaled by routed_scaling_factor; ungated shared experts. Latent attention (MLA) whose rotary
+part is rotated as complex pairs (modeling_deepseek_v2.apply_rotary_emb, position_embeddings being
+the complex ``freqs_cis``)."""
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,6 +18,7 @@ from .routing import router_logits, softmax_group_limited_topk
 class DeepseekV2Adapter(MoEAdapter):
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe", "DeepseekV2MoE")
+    attention = "mla"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -24,3 +30,9 @@ class DeepseekV2Adapter(MoEAdapter):
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return block.shared_experts(x)
+
+    def mla_rotary(
+        self, attn: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        modeling = sys.modules[type(attn).__module__]
+        return modeling.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))

@@ -1,8 +1,13 @@
 """DeepSeek-V3/R1/V3.1 and Kimi-K2 (which uses the V3 layout under model_type kimi_k2): sigmoid
 scores from an fp32 router, choice by score + e_score_correction_bias among the best n_group
-groups, renormalised (norm_topk_prob) and scaled by routed_scaling_factor; ungated shared experts."""
+groups, renormalised (norm_topk_prob) and scaled by routed_scaling_factor; ungated shared experts. Latent
+attention (MLA) with cos/sin rotary, interleaved pairs where ``rope_interleave`` is set (the
+checkpoints' layout), YaRN scaling in the rotary tables and mscale in the attention's ``scaling``."""
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,9 +36,19 @@ class DeepseekV3Adapter(MoEAdapter):
     model_types = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
     block_classes = ("DeepseekV3MoE",)
     transformers_model_type = "deepseek_v3"
+    attention = "mla"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_sigmoid_route(self, block, x)
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return block.shared_experts(x)
+
+    def mla_rotary(
+        self, attn: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        modeling = sys.modules[type(attn).__module__]
+        cos, sin = position_embeddings
+        if attn.config.rope_interleave:
+            return modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        return modeling.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)

@@ -1,0 +1,186 @@
+"""Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi-K2) on the CPU, in the absorbed form.
+
+transformers' MLA caches the compressed latent (``kv_lora_rank`` normed values and the
+``qk_rope_head_dim`` rotated key) but expands the whole cache through ``kv_b_proj`` on every forward:
+per decode step and layer that is ``context x kv_lora_rank x heads x (nope + v)`` multiply-adds
+(DeepSeek-V2-Lite's shapes at 600 cached tokens: 1.3 GFLOP a layer), then per-head attention over
+the expanded K/V. The absorbed form does the same arithmetic in the other association order:
+
+- ``kv_b_proj``'s weight is per head ``[W_UK (nope rows); W_UV (v rows)] x kv_lora_rank``. Since
+  ``q_nope . (W_UK c) = (W_UK^T q_nope) . c``, the query is carried into latent space once per token
+  (``q_lat = W_UK^T q_nope``, ``kv_lora_rank`` wide), and every head attends over the cached rows
+  ``[c | k_rope]`` as one shared KV head: scores ``q_lat . c + q_rope . k_rope``.
+- The values are the latents themselves; ``W_UV`` is applied to each head's weighted latent sum
+  after attention.
+
+The cache holds, per token and layer, one row ``[c (kv_lora_rank) | k_rope (qk_rope_head_dim)]`` in
+the model's dtype, as the layer's "keys" (its "values" are zero-wide): exactly
+``(kv_lora_rank + qk_rope_head_dim) x element size`` bytes a token and layer, never the expanded K/V.
+The engine's attention kernel (``attn_prefill``) reads those rows in place as K (all of the row) and
+V (its first ``kv_lora_rank`` values); for one token of one sequence the heads are spread over the
+engine's pool. Shapes the kernel does not take (widths not a multiple of 16, large padding masks)
+run the same absorbed arithmetic in torch.
+
+Installed on CPU loads for the adapters whose ``attention`` is ``"mla"``; training, autograd and a
+cache written by transformers' own forward go to transformers' forward unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters.base import MoEAdapter
+from .cpu_attention import _KV_DTYPES, PREFILL_MASK_ELEMENTS, _additive, _engine_prefill
+
+# For one query token the kernel's unit of work is one (batch row, KV head, block of 16 tokens);
+# MLA has one KV head, so the heads are split into this many groups, each a work item.
+_DECODE_HEAD_GROUPS = 8
+
+
+def install_mla(model: nn.Module, adapter: MoEAdapter) -> int:
+    """Give each MLA attention module of ``model`` the absorbed forward; returns how many."""
+    if adapter.attention != "mla":
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_proj_with_mqa"):
+            original = type(module).forward
+            module.forward = types.MethodType(_make_forward(original, adapter), module)
+            count += 1
+    return count
+
+
+def _make_forward(original: Any, adapter: MoEAdapter) -> Any:
+    params = list(inspect.signature(original).parameters)[1:]  # V2 and V3 order their arguments differently
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        call = dict(zip(params, args, strict=False)) | kwargs
+        if not _takes_absorbed(self, call):
+            return original(self, *args, **kwargs)
+        return mla_absorbed(
+            self,
+            adapter,
+            call["hidden_states"],
+            call.get("position_embeddings"),
+            call.get("attention_mask"),
+            call.get("cache", call.get("past_key_values")),
+        )
+
+    forward.hetmoe_mla = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _takes_absorbed(attn: nn.Module, call: dict[str, Any]) -> bool:
+    """Inference on the CPU with a plain kv_b_proj, and a cache that is empty or holds latent rows."""
+    x = call.get("hidden_states")
+    if attn.training or x is None or x.device.type != "cpu" or call.get("output_attentions"):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or attn.kv_b_proj.weight.requires_grad):
+        return False
+    if (
+        type(attn.kv_b_proj) is not nn.Linear
+        or attn.kv_b_proj.bias is not None
+        or call.get("position_embeddings") is None
+    ):
+        return False
+    cache = call.get("cache", call.get("past_key_values"))
+    if cache is None:
+        return True
+    layers = getattr(cache, "layers", None)
+    if layers is None or attn.layer_idx >= len(layers):
+        return False
+    layer = layers[attn.layer_idx]
+    keys = getattr(layer, "keys", None)
+    if not getattr(layer, "is_initialized", False) or keys is None or keys.numel() == 0:
+        return True
+    return keys.shape[-1] == attn.kv_lora_rank + attn.qk_rope_head_dim and layer.values.shape[-1] == 0
+
+
+def mla_absorbed(
+    attn: nn.Module,
+    adapter: MoEAdapter,
+    x: torch.Tensor,
+    position_embeddings: Any,
+    mask: torch.Tensor | None,
+    cache: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' DeepseekV2/V3Attention forward, ``x [B, T, hidden]`` -> ``(out [B, T, hidden], None)``,
+    with the latent cache and the absorbed products (module docstring)."""
+    b, t, _ = x.shape
+    heads, nope, rope_dim = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rank, v_dim = attn.kv_lora_rank, attn.v_head_dim
+    q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.view(b, t, heads, nope + rope_dim).transpose(1, 2)
+    q_nope, q_rot = torch.split(q, [nope, rope_dim], dim=-1)
+    compressed = attn.kv_a_proj_with_mqa(x)
+    latent, k_rot = torch.split(compressed, [rank, rope_dim], dim=-1)
+    latent = attn.kv_a_layernorm(latent).view(b, 1, t, rank)
+    k_rot = k_rot.view(b, 1, t, rope_dim)
+    q_rot, k_rot = adapter.mla_rotary(attn, q_rot, k_rot, position_embeddings)
+    rows = torch.cat((latent, k_rot.to(latent.dtype)), dim=-1)  # [B, 1, T, rank + rope]
+    if cache is not None:
+        rows, _ = cache.update(rows, rows.new_empty(b, 1, t, 0), attn.layer_idx)
+
+    weight = attn.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]  # views: no copy of the weight
+    q_lat = torch.matmul(q_nope.to(weight.dtype), w_uk).float()  # [B, H, T, rank]
+    query = torch.cat((q_lat, q_rot.float()), dim=-1)  # [B, H, T, rank + rope]
+    o_lat = _attend(query, rows, rank, mask, float(attn.scaling))  # [B, H, T, rank] fp32
+    out = torch.matmul(o_lat.to(weight.dtype), w_uv.transpose(1, 2))  # [B, H, T, v]
+    out = out.transpose(1, 2).reshape(b, t, heads * v_dim).to(x.dtype)
+    return attn.o_proj(out), None
+
+
+def _attend(
+    query: torch.Tensor, rows: torch.Tensor, rank: int, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """softmax(query rows^T * scale + mask) rows[..., :rank] for ``query [B, H, T, Dk]`` (fp32) over the
+    cached ``rows [B, 1, L, Dk]``; a missing mask is causal, the queries being the last T rows."""
+    b, h, t, dk = query.shape
+    length = rows.shape[2]
+    values = rows[..., :rank]
+    plan = _engine_plan(query, rows, rank, mask)
+    if plan is not None:
+        if b == 1 and t == 1 and plan[0] is None and h % _DECODE_HEAD_GROUPS == 0:
+            # one token: the heads in groups, each group a "batch row" over the same (stride-0) rows
+            g = _DECODE_HEAD_GROUPS
+            out = _engine_prefill(
+                query.view(g, h // g, 1, dk), rows.expand(g, -1, -1, -1), values.expand(g, -1, -1, -1), plan, scale
+            )
+            return out.view(1, 1, h, rank).transpose(1, 2)
+        return _engine_prefill(query, rows, values, plan, scale).transpose(1, 2)
+    scores = torch.matmul(query, rows.float().transpose(-1, -2)) * scale  # [B, H, T, L]
+    if mask is None:
+        visible = torch.arange(length).view(1, length) <= (length - t + torch.arange(t)).view(t, 1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    elif mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float())
+
+
+def _engine_plan(
+    query: torch.Tensor, rows: torch.Tensor, rank: int, mask: torch.Tensor | None
+) -> tuple[torch.Tensor | None, bool] | None:
+    """``(additive fp32 mask or None, causal)`` for the engine's kernel, or None where it does not take
+    the call (then torch computes it)."""
+    b, h, t, dk = query.shape
+    length = rows.shape[2]
+    if rows.dtype not in _KV_DTYPES or dk % 16 or rank % 16 or rows.stride(-1) != 1:
+        return None
+    if mask is None:
+        return None, True
+    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h) or mask.shape[2:] != (t, length):
+        return None
+    if b * mask.shape[1] * t * length > PREFILL_MASK_ELEMENTS:
+        return None
+    return _additive(mask.expand(b, mask.shape[1], t, length)).contiguous(), False
+
+
+__all__ = ["install_mla", "mla_absorbed"]
