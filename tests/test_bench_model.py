@@ -77,7 +77,7 @@ def test_run_produces_consistent_records(built, tmp_path) -> None:
 
 
 def test_bad_input() -> None:
-    assert parse_variant("int4/torch") == ("int4", None)
+    assert parse_variant("int4/torch") == ("int4", "torch")  # load_model's explicit opt-out
     assert parse_variant("gguf:q4_0/gguf:q4_0") == ("gguf:q4_0", "gguf:q4_0")
     with pytest.raises(ValueError, match="expected EXPERTS/DENSE"):
         parse_variant("int4")

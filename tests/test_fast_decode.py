@@ -66,7 +66,7 @@ def test_batches_and_masks_take_transformers_forward(tiny_cache) -> None:
 def test_not_installed_without_fused_projections(tiny_cache) -> None:
     from hetmoe import load_model
 
-    model = load_model(tiny_cache.model("qwen3_moe"))  # no dense_method: q/k/v stay torch Linears
+    model = load_model(tiny_cache.model("qwen3_moe"), dense_method="torch")  # q/k/v stay torch Linears
     assert not _fast_layers(model)
 
 

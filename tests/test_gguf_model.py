@@ -44,6 +44,7 @@ from hetmoe.cli.main import main
 from hetmoe.models.default import default_model_path
 from hetmoe.models.gguf_model import load_gguf_tokenizer
 from hetmoe.models.planner import kv_bytes_per_token, plan_memory
+from hetmoe.runtime.cpu_linear import CPULinear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -338,7 +339,12 @@ def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_
     assert {runtime.layers[layer].cpu.gate.method for layer in runtime.layers} == {"gguf:q8_0", "gguf:q4_0"}
     assert rel(logits(ours, ids), want32) <= 5e-5
     # The experts on the torch fallback dequantize exactly: everything else is transformers' own math.
-    exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch")
+    # the dense layers too ran in the engine from their stored blocks (dense_engine.py's STORED)
+    o_proj = ours.model.layers[0].self_attn.o_proj  # attn_output is Q8_0 in these files
+    assert isinstance(o_proj, CPULinear) and o_proj.method == "gguf:q8_0"
+    # The experts on the torch fallback and torch dense layers dequantize exactly: everything else is
+    # transformers' own math.
+    exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch", dense_method="torch")
     assert rel(logits(exact, ids), want32) <= 1e-6
 
     ours16 = load_model(path, device="cpu")  # the default: the model in bf16

@@ -42,6 +42,7 @@ from hetmoe.checkpoint.experts import codec_of, read_layer_experts
 from hetmoe.checkpoint.layout import moe_layout
 from hetmoe.formats import snr_db
 from hetmoe.models.adapters import get_adapter
+from hetmoe.runtime.cpu_linear import CPULinear
 from hetmoe.runtime.placement import choose_swaps, plan_placement
 from hetmoe.runtime.torch_experts import TorchCPUExperts
 
@@ -227,8 +228,14 @@ def test_fp8_non_expert_weights_are_dequantized(tiny, tmp_path: Path) -> None:
     fp8 = write_checkpoint(src, tmp_path / "fp8", fp8_state, config)
     exact = write_checkpoint(src, tmp_path / "exact", exact_state)
     ids = tokens()
-    got = logits(load_model(fp8, dtype=torch.float32), ids)
-    assert torch.equal(got, logits(load_model(exact, dtype=torch.float32), ids))
+    got = logits(load_model(fp8, dtype=torch.float32, dense_method="torch"), ids)
+    want = logits(load_model(exact, dtype=torch.float32, dense_method="torch"), ids)
+    assert torch.equal(got, want)
+    # By default (as stored) the fp8 projections run in the engine in fp8 with their block scales
+    stored = load_model(fp8, dtype=torch.float32)
+    attn = stored.model.layers[0].self_attn
+    assert {m.method for m in attn.modules() if isinstance(m, CPULinear)} == {"fp8"}
+    assert rel(logits(stored, ids), want) <= 1e-5  # fp8 decoded exactly, fp32 sums reassociated
 
 
 def test_gpt_oss_torch_fallback_is_exact(tiny) -> None:

@@ -104,11 +104,11 @@ class ModelBenchConfig:
 
 
 def parse_variant(text: str) -> tuple[str, str | None]:
-    """``"int4/int8"`` -> (experts method, dense method or None for torch Linears)."""
+    """``"int4/int8"`` -> (experts method, dense method; "torch" for torch Linears)."""
     experts, sep, dense = text.partition("/")
     if not sep or not experts or not dense:
         raise ValueError(f"variant {text!r}: expected EXPERTS/DENSE, e.g. int4/int8 or int4/torch")
-    return experts, None if dense == "torch" else dense
+    return experts, dense  # "torch" keeps them in torch (load_model's opt-out)
 
 
 def _source_for(base: Path, method: str, cache_dir: Path, log: Callable[[str], None]) -> tuple[Path, str | None]:
@@ -363,7 +363,7 @@ def measure_variant(
         record = {
             "variant": variant,
             "experts": experts,
-            "dense": dense or "torch bf16",
+            "dense": "torch bf16" if dense == "torch" else dense,
             "torch_threads": torch_threads,
             "load_s": round(load_s, 2),
             "expert_bytes": model.hetmoe.cpu_expert_bytes,

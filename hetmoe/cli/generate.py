@@ -30,6 +30,17 @@ def _method(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected one of {choices} or a GGUF type (gguf:q4_0), got {text!r}")
 
 
+def _dense_method(text: str) -> str:
+    if text in ("stored", "torch"):
+        return text
+    try:
+        return _method(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected stored, torch, one of {', '.join(CPU_METHODS)} or a GGUF type (gguf:q4_0), got {text!r}"
+        ) from None
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
@@ -69,9 +80,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dense-method",
-        type=_method,
+        type=_dense_method,
         metavar="METHOD",
-        help="CPU only: attention, dense MLPs, shared experts and lm_head in the CPU engine in this method (int8, ...)",
+        help=(
+            "CPU only: attention, dense MLPs, shared experts and lm_head in the CPU engine in this method "
+            "(int8, int4, gguf:q4_0, ...). Default 'stored': in the engine in the precision the file holds "
+            "(bf16, fp8, a GGUF's own block types) where the engine runs it; 'torch' keeps torch Linears"
+        ),
     )
     p.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
@@ -169,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir, "generate")
-    if args.dense_method:
+    if args.device == "cpu" and args.dense_method != "torch":
         # CPU-only mode: the engine's workers use every core for the linears and experts; torch is left
         # the small ops between them, which a second thread only slows (it must be woken, and competes
         # with the workers): hetmoe bench model measured decode 2-18% slower with torch at 2 threads.

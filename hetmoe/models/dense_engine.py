@@ -4,8 +4,15 @@ Every ``nn.Linear`` of the model outside the routed experts (attention projectio
 layers, shared experts, the lm_head) becomes a ``CPULinear`` holding its weight in an engine method
 (int8, int4 g32, bf16, a GGUF block type ...). Not converted: the routers (and Qwen's shared-expert
 gate), which are the Linear children of a MoE block and whose scores choose the experts; norms and
-embeddings, which are not Linear; and a layer the engine cannot run in that method (e.g. an input
-width that is not a multiple of 32), which stays a torch Linear and is named in the load notes.
+embeddings, which are not Linear; the linears an attention family reads as weights rather than
+calls (MLA's kv_b_proj); and a layer the engine cannot run in that method (e.g. an input width that
+is not a multiple of 32), which stays a torch Linear and is named in the load notes.
+
+``STORED`` (the default of a CPU load) keeps each weight in the precision the file holds it in,
+where the engine runs that precision: a GGUF's own block types (Q4_K, Q6_K, Q8_0 ...: the stored
+bytes, never dequantized), fp8 with its scales, and bf16 in a bf16 model. A weight stored otherwise
+(fp32, fp16, a GGUF type without a kernel) or loaded into a model of another dtype stays in torch,
+so the arithmetic the user chose (``dtype=float32``) is the arithmetic that runs.
 
 Conversion happens while the non-expert weights are read: each weight is quantized as soon as it
 is read and its full-precision value dropped, so only one layer's weight ever exists in full
@@ -19,9 +26,27 @@ import re
 import torch
 from torch import nn
 
-from ..formats import QuantizedTensor
+from ..formats import QuantizedTensor, get_codec
+from ..runtime.cpu_experts import ENGINE_METHODS
 from ..runtime.cpu_linear import CPULinear, check_method, quantize_weight, unsupported_reason
 from ..runtime.fused_linears import fuse_siblings
+from ..runtime.gguf_transcode import native_id
+
+STORED = "stored"  # dense_method: each weight in its stored precision where the engine runs it
+TORCH = "torch"  # dense_method: every dense Linear stays a torch Linear
+
+
+def resolve_dense_method(dense_method: str | None, device: torch.device) -> str | None:
+    """What ``load_model(dense_method=...)`` converts the dense Linears to: None keeps torch Linears."""
+    if dense_method is None:
+        return STORED if device.type == "cpu" else None
+    if dense_method == TORCH:
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"dense_method runs the non-expert layers in the CPU engine: needs device='cpu', not {device}")
+    if dense_method != STORED:
+        check_method(dense_method, "dense_method")
+    return dense_method
 
 
 class DenseConverter:
@@ -36,9 +61,13 @@ class DenseConverter:
         keep_fp32: list[re.Pattern[str]],
         gemv_max_tokens: int | None = None,
         fuse: bool = True,
+        keep_torch: tuple[str, ...] = (),
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        check_method(method, "dense_method")
+        if method != STORED:
+            check_method(method, "dense_method")
         self.method, self.group_size, self.gemv_max_tokens = method, group_size, gemv_max_tokens
+        self.dtype = dtype  # the model's: STORED runs bf16 weights in the engine only in a bf16 model
         self.fuse = fuse  # sibling projections (q/k/v, gate/up) as one engine call: fused_linears.py
         routers = {id(child) for block in moe_blocks for child in block.children() if isinstance(child, nn.Linear)}
         self.targets: dict[str, nn.Linear] = {}
@@ -46,27 +75,61 @@ class DenseConverter:
         for name, mod in model.named_modules():
             if not isinstance(mod, nn.Linear) or id(mod) in routers or any(p.search(name) for p in keep_fp32):
                 continue
-            reason = unsupported_reason(method, mod.in_features, group_size)
+            if name.rpartition(".")[2] in keep_torch:
+                continue
+            reason = unsupported_reason(method if method != STORED else "bf16", mod.in_features, group_size)
             if reason is None:
                 self.targets[name] = mod
             else:
                 self.skipped[name] = reason
         self._by_owner = {id(mod): name for name, mod in self.targets.items()}
         self._quantized: dict[str, QuantizedTensor] = {}
+        self.stored_as: dict[str, int] = {}  # STORED: how many weights run in each stored method
 
-    def take(self, owner: nn.Module, local: str, value: torch.Tensor) -> bool:
+    def wants(self, owner: nn.Module, local: str) -> bool:
+        """Whether the tensor about to be read is a target's weight (``take`` will be offered it)."""
+        return local == "weight" and id(owner) in self._by_owner
+
+    def take(
+        self, owner: nn.Module, local: str, value: torch.Tensor | None, stored: QuantizedTensor | None = None
+    ) -> bool:
         """Called for each tensor read: a target's weight is quantized and kept here (True), so it
-        is never placed in the model in full precision; anything else is left to the caller (False)."""
+        is never placed in the model in full precision; anything else is left to the caller (False).
+        ``stored``: the weight as the file holds it, where that is an engine method (a GGUF block
+        type, fp8 with its scales); ``value`` may then be None (it was not decoded)."""
         name = self._by_owner.get(id(owner))
         if name is None or local != "weight":
             return False
+        if self.method == STORED:
+            q = self._stored(value, stored, f"{name}.weight")
+            if q is None:
+                return False
+            self.stored_as[q.method] = self.stored_as.get(q.method, 0) + 1
+            self._quantized[name] = q
+            return True
+        if value is None:
+            assert stored is not None
+            value = get_codec(stored.method, **stored.params).dequantize(stored, torch.float32)
         self._quantized[name] = quantize_weight(value, self.method, self.group_size, f"{name}.weight")
         return True
+
+    def _stored(self, value: torch.Tensor | None, stored: QuantizedTensor | None, name: str) -> QuantizedTensor | None:
+        if stored is not None:
+            native = stored.method in ENGINE_METHODS or native_id(str(stored.params.get("ggml_type", ""))) is not None
+            return stored if native else None
+        if value is not None and value.dtype == torch.bfloat16 and self.dtype == torch.bfloat16:
+            return quantize_weight(value, "bf16", None, name)  # bf16 -> bf16: the same values
+        return None
 
     def finish(self, model: nn.Module) -> list[str]:
         """Swap every target for its CPULinear; returns notes for the load summary."""
         for name, mod in self.targets.items():
             q = self._quantized.pop(name, None)
+            if q is None and self.method == STORED:  # stored in a precision the engine does not run
+                if mod.weight.is_meta or mod.weight.dtype != torch.bfloat16 or self.dtype != torch.bfloat16:
+                    continue  # read and left in torch (or tied: stays with the embeddings' dtype)
+                q = quantize_weight(mod.weight, "bf16", None, f"{name}.weight")  # a tied bf16 weight
+                self.stored_as["bf16"] = self.stored_as.get("bf16", 0) + 1
             if q is None:  # a tied weight (lm_head = embeddings): loaded by tie_weights, quantized now
                 if mod.weight.is_meta:
                     raise ValueError(f"{name}.weight: neither read from the checkpoint nor tied to a loaded tensor")
@@ -75,6 +138,9 @@ class DenseConverter:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, linear)
         notes = []
+        if self.stored_as:
+            kinds = ", ".join(f"{n} in {m}" for m, n in sorted(self.stored_as.items()))
+            notes.append(f"dense layers in the CPU engine as stored: {kinds}")
         if self.fuse:
             fused = fuse_siblings(model)
             if fused:

@@ -160,6 +160,26 @@ class GGUFTensors:
         value = entry.build(parts) if entry.build is not None else parts[0]
         return value.reshape(entry.shape)
 
+    def stored(self, name: str) -> QuantizedTensor | None:
+        """A non-expert weight in its GGUF block type, as the file holds it (a view of the mapped
+        bytes), where it is one tensor of the transformers shape in a block (not float) type; else
+        None (``get`` decodes it)."""
+        if name in self._experts:
+            return None
+        entry = self._entry(name)
+        if len(entry.parts) != 1 or entry.build is not None:
+            return None
+        key = entry.parts[0]
+        info = self._raw.info(key)
+        stored = str(info.dtype)
+        if stored in _FLOATS or tuple(info.shape) != tuple(entry.shape) or len(entry.shape) != 2:
+            return None
+        try:
+            codec = get_codec(f"gguf:{stored.lower()}")
+        except UnknownMethodError:
+            return None
+        return QuantizedTensor(codec.label(), tuple(info.shape), {".weight": self._raw.get(key)}, {"ggml_type": stored})
+
     def _entry(self, name: str) -> _Entry:
         try:
             return self._entries[name]

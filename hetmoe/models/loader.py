@@ -41,11 +41,11 @@ from ..runtime.stats import RuntimeStats, load_routing
 from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
-from .dense_engine import DenseConverter
+from .dense_engine import STORED, DenseConverter, resolve_dense_method
 from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
-from .mla_attention import install_mla
+from .mla_attention import install_mla, weight_read_linears
 from .planner import plan_memory
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -134,15 +134,14 @@ def load_model(
     params = {"group_size": group_size} if group_size is not None else {}
     if expert_backend not in ("auto", "engine", "torch"):
         raise ValueError(f"expert_backend {expert_backend!r}: expected 'auto', 'engine' or 'torch'")
-    if dense_method is not None and dev.type != "cpu":
-        raise ValueError(f"dense_method runs the non-expert layers in the CPU engine: needs device='cpu', not {dev}")
+    dense_method = resolve_dense_method(dense_method, dev)  # None on a CPU load: as stored (dense_engine.py)
     if cpu_threads is not None:
         set_num_threads(cpu_threads)
     if check_memory:
         plan_memory(
             p,
             method,
-            dense_method,
+            dense_method if dense_method != STORED else None,
             device=dev,
             gpu_experts=gpu_experts,
             group_size=group_size,
@@ -172,6 +171,8 @@ def load_model(
             list(hybrids.values()),
             keep_fp32,
             gemv_max_tokens,
+            keep_torch=weight_read_linears(adapter),
+            dtype=model_dtype,
         )
     _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
     dense_notes = dense.finish(model) if dense is not None else []
@@ -362,6 +363,10 @@ def _load_non_experts(
                 info.file, f"tensor {key}: expected shape {list(tensor.shape)} for {name}, found {list(info.shape)}"
             )
         target = torch.float32 if any(p.search(name) for p in fp32) else tensor.dtype
+        if dense is not None and dense.wants(owner, local):
+            stored = _read_stored(source, key, keys, config)
+            if stored is not None and dense.take(owner, local, None, stored):
+                continue  # runs in the engine as stored: never decoded
         value = _read_dense(source, key, keys, config)
         if dense is not None and dense.take(owner, local, value):
             continue  # quantized for the CPU engine as read: never held in full precision
@@ -381,11 +386,16 @@ def _load_non_experts(
         model.tie_weights()
 
 
-def _read_dense(source: TensorSource, key: str, keys: set[str], config: Any) -> torch.Tensor:
-    """A non-expert tensor as floats: fp8 weights (DeepSeek-V3, MiniMax-M2 releases) dequantized."""
+def _read_stored(source: TensorSource, key: str, keys: set[str], config: Any) -> QuantizedTensor | None:
+    """A non-expert weight as the file holds it when that is a quantized format: a GGUF block type
+    (gguf_model.py), fp8 with its block or channel scales (DeepSeek-V3, MiniMax-M2 releases); None
+    for plain floats."""
+    stored = getattr(source, "stored", None)  # GGUFTensors
+    if stored is not None:
+        return stored(key)
+    if not key.endswith(".weight") or source.info(key).dtype != torch.float8_e4m3fn:
+        return None
     t = source.get(key)
-    if t.dtype != torch.float8_e4m3fn or not key.endswith(".weight"):
-        return t
     if key + "_scale_inv" in keys:
         qc = getattr(config, "quantization_config", None) or {}
         block = qc.get("weight_block_size", [128, 128]) if isinstance(qc, dict) else [128, 128]
@@ -397,8 +407,16 @@ def _read_dense(source: TensorSource, key: str, keys: set[str], config: Any) -> 
     s = source.get(key.removesuffix(".weight") + scale)
     if scale == ".weight_scale" and s.dim() == 1:
         s = s.unsqueeze(1)
-    q = QuantizedTensor(codec.method, tuple(t.shape), {".weight": t, scale: s}, codec.params)
-    return codec.dequantize(q, torch.float32)
+    return QuantizedTensor(codec.method, tuple(t.shape), {".weight": t, scale: s}, codec.params)
+
+
+def _read_dense(source: TensorSource, key: str, keys: set[str], config: Any) -> torch.Tensor:
+    """A non-expert tensor as floats: fp8 weights dequantized, GGUF blocks decoded."""
+    if getattr(source, "stored", None) is None:
+        q = _read_stored(source, key, keys, config)
+        if q is not None:
+            return get_codec(q.method, **q.params).dequantize(q, torch.float32)
+    return source.get(key)
 
 
 def _materialize_leftovers(model: nn.Module, device: torch.device) -> None:

@@ -42,6 +42,12 @@ from .cpu_attention import _KV_DTYPES, PREFILL_MASK_ELEMENTS, _additive, _engine
 _DECODE_HEAD_GROUPS = 8
 
 
+def weight_read_linears(adapter: MoEAdapter) -> tuple[str, ...]:
+    """The attention's Linears whose weights this forward reads as tensors, not as calls: they stay
+    torch Linears (dense_engine.py leaves them out)."""
+    return ("kv_b_proj",) if adapter.attention == "mla" else ()
+
+
 def install_mla(model: nn.Module, adapter: MoEAdapter) -> int:
     """Give each MLA attention module of ``model`` the absorbed forward; returns how many."""
     if adapter.attention != "mla":
@@ -183,4 +189,4 @@ def _engine_plan(
     return _additive(mask.expand(b, mask.shape[1], t, length)).contiguous(), False
 
 
-__all__ = ["install_mla", "mla_absorbed"]
+__all__ = ["install_mla", "mla_absorbed", "weight_read_linears"]
