@@ -535,3 +535,27 @@ def test_eval_ppl_runs_a_gguf_file(default_gguf, tmp_path: Path, capsys) -> None
     assert rows["bf16"]["error"] is None and rows["gguf:q8_0"]["error"] is None
     assert rows["bf16"]["kl_mean"] == 0.0 and 0.0 < rows["gguf:q8_0"]["kl_mean"] < 0.05
     capsys.readouterr()
+
+
+def test_deepseek2_without_gating_func_is_softmax_as_llama_cpp(tmp_path: Path) -> None:
+    """A DeepSeek-V3 model converted without ``expert_gating_func`` (what convert_hf_to_gguf writes for
+    transformers 5's config): llama.cpp runs it with softmax gating, its selection bias still added to
+    the selection scores, the top-k weights renormalised (expert_weights_norm) and scaled. hetmoe runs
+    it the same way and says so in a note, instead of refusing the file."""
+    model = random_model("deepseek_v3", norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=2.5)
+    path = tmp_path / "model.gguf"
+    write_gguf(model, path, drop_keys=("expert_gating_func",))
+    ours = load_model(path, device="cpu", dtype=torch.float32)
+    assert ours.config.model_type == "deepseek_v3" and ours.config.scoring_func == "softmax"
+    assert any("expert_gating_func" in note and "softmax" in note for note in ours.hetmoe.notes)
+    layer = ours.hetmoe.layers[min(ours.hetmoe.layers)]
+    x = torch.randn(5, ours.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, ids = layer.adapter.route(layer, x)
+    # llama.cpp's build_moe_ffn: probs = softmax(logits); choice = top-k of probs + exp_probs_b;
+    # weights = probs of the chosen, divided by their sum, times expert_weights_scale
+    probs = torch.softmax(x @ layer.gate.weight.float().T, dim=-1)
+    want_ids = (probs + layer.gate.e_score_correction_bias).topk(ids.shape[1]).indices
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    want = probs.gather(1, ids)
+    want = want / want.sum(-1, keepdim=True) * 2.5
+    assert torch.allclose(weights, want, rtol=1e-6, atol=0)

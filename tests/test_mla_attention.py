@@ -42,7 +42,7 @@ def _config(arch: str, q_lora: int | None, heads: int, rank: int, rope: int, yar
         kv_lora_rank=rank,
         qk_rope_head_dim=rope,
         qk_nope_head_dim=16,
-        v_head_dim=24,
+        v_head_dim=32,
         max_position_embeddings=2560,
     )
     if yarn:  # DeepSeek-V3's and Kimi-K2's rope_scaling, shrunk: mscale enters the attention's scaling
@@ -93,18 +93,31 @@ def _run(attn, rotary, x: torch.Tensor, cache, start: int, mask: torch.Tensor | 
 @pytest.mark.parametrize(
     ("heads", "rank", "rope", "yarn"),
     [
-        (8, 32, 16, True),  # the engine's kernel, decode heads in groups
-        (4, 32, 16, False),  # the engine's kernel, one work item a token block
+        (8, 32, 16, True),  # the engine's kernels, decode heads in 8 groups
+        (4, 32, 16, False),  # the engine's kernels, decode heads in 4 groups
         (4, 24, 8, False),  # widths the kernel does not take: the same arithmetic in torch
     ],
 )
 @pytest.mark.parametrize("cache_kind", ["dynamic", "growing"])
+@pytest.mark.parametrize("prompt_form", ["absorbed", "expanded"])
 def test_absorbed_equals_transformers(
-    arch: str, q_lora: int | None, heads: int, rank: int, rope: int, yarn: bool, cache_kind: str, monkeypatch
+    arch: str,
+    q_lora: int | None,
+    heads: int,
+    rank: int,
+    rope: int,
+    yarn: bool,
+    cache_kind: str,
+    prompt_form: str,
+    monkeypatch,
 ) -> None:
+    if prompt_form == "expanded":  # the 9- and 5-token prompts take the long-prompt form
+        monkeypatch.setattr(mla_attention, "_EXPANDED_MIN_TOKENS", 2)
     kernel_calls = []
-    real = mla_attention._engine_prefill
-    monkeypatch.setattr(mla_attention, "_engine_prefill", lambda *a: kernel_calls.append(a[0].shape) or real(*a))
+    for kernel in ("_engine_prefill", "_engine_decode", "_expanded_prompt"):
+        real = getattr(mla_attention, kernel)
+        spy = lambda *a, real=real, kernel=kernel: kernel_calls.append(kernel) or real(*a)  # noqa: E731
+        monkeypatch.setattr(mla_attention, kernel, spy)
     config = _config(arch, q_lora, heads, rank, rope, yarn)
     reference, rotary = _modules(arch, config)
     ours = copy.deepcopy(reference)
@@ -131,10 +144,11 @@ def test_absorbed_equals_transformers(
     want = _run(reference, rotary, x, ref_cache, 13, full_mask)
     got = _run(ours, rotary, x, our_cache, 13, full_mask)
     assert rel(got, want) <= EXACT
-    # the engine's kernel ran every call whose widths it takes, decode heads grouped where they divide
+    # the engine's kernels ran every call whose widths they take: prompt, 4 decode steps, prompt (the
+    # expanded form only where its per-head widths are multiples of 16 too: here exactly then)
+    prompt = ["_expanded_prompt", "_engine_prefill"] if prompt_form == "expanded" else ["_engine_prefill"]
     if rank % 16 == 0 and rope % 16 == 0:
-        assert len(kernel_calls) == 6
-        assert kernel_calls[1][0] == (mla_attention._DECODE_HEAD_GROUPS if heads % 8 == 0 else 1)
+        assert kernel_calls == [*prompt, *["_engine_decode"] * 4, *prompt]
     else:
         assert not kernel_calls
 

@@ -22,7 +22,10 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
 - deepseek2 (DeepSeek-V2/V3, Kimi-K2): newer files split ``kv_b_proj`` into ``attn_k_b``
   (``[heads, kv_lora_rank, qk_nope]``, i.e. transposed per head) and ``attn_v_b``
   (``[heads, v_head_dim, kv_lora_rank]``); both are put back together here. Sigmoid gating with
-  ``exp_probs_b`` is DeepSeek-V3 (``e_score_correction_bias``), softmax gating DeepSeek-V2.
+  ``exp_probs_b`` is DeepSeek-V3 (``e_score_correction_bias``), softmax gating DeepSeek-V2. A file
+  without ``expert_gating_func`` is softmax gating, llama.cpp's default (a note says so); with
+  ``exp_probs_b`` it is run as DeepSeek-V3 with softmax scores (``scoring_func``), the bias added to
+  the selection scores and ``expert_weights_norm`` applied, as llama.cpp's graph does.
 
 Anything the file holds that has no place in the transformers model, and anything the model needs
 that the file lacks, is an error naming the file and the tensor or metadata key.
@@ -212,6 +215,7 @@ class GGUFModel:
 
     def __init__(self, path: str | Path, source: TensorSource, layout: MoELayout) -> None:
         self.path = Path(path)
+        self.notes: list[str] = []  # defaults taken where the metadata is silent, as llama.cpp takes them
         file = _first_file(source)
         arch = file.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
@@ -375,15 +379,24 @@ class GGUFModel:
                 m.path, f"deepseek2: key length {key_dim} must exceed rope.dimension_count {rope_dim} (qk_nope > 0)"
             )
         q_lora = m.get("attention.q_lora_rank")
-        sigmoid = m.get("expert_gating_func") == 2  # llama.cpp: 1 softmax (the default of V2 files), 2 sigmoid
+        gating = m.get("expert_gating_func")
+        sigmoid = gating == 2  # llama.cpp: 1 softmax (the default of V2 files), 2 sigmoid
+        sample = layout.moe_layers[0]
+        # DeepSeek-V3's layout: a selection bias (e_score_correction_bias), which llama.cpp adds to the
+        # selection scores whatever the gating function
+        biased = f"blk.{sample}.exp_probs_b.bias" in self.tensors
+        if gating is None:
+            self.notes.append(
+                "deepseek2: no expert_gating_func in the metadata: softmax gating, as llama.cpp assumes"
+                + (" (with the file's selection bias, as llama.cpp adds it)" if biased else "")
+            )
         scale = m.number("expert_weights_scale", "routed_scaling_factor", 1.0) or 1.0  # 0: llama.cpp's "unset"
         norm = bool(m.get("expert_weights_norm", False))
         groups = m.count("expert_group_count", "n_group", 1)
         groups_used = m.count("expert_group_used_count", "topk_group", 1)
-        sample = layout.moe_layers[0]
         shared_rows = self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared experts")[0]
         fields |= {
-            "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+            "model_type": "deepseek_v3" if sigmoid or biased else "deepseek_v2",
             "num_key_value_heads": heads,  # the file says 1: llama.cpp's MQA view of MLA
             "head_dim": rope_dim,
             "q_lora_rank": int(q_lora) if q_lora else None,
@@ -413,15 +426,13 @@ class GGUFModel:
             width = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
         if width:
             fields["intermediate_size"] = int(width)
-        if sigmoid:
+        if sigmoid or biased:
             fields["rope_interleave"] = True  # llama.cpp's deepseek2 rope is the interleaved (GPT-J) one
+            if not sigmoid:
+                fields["scoring_func"] = "softmax"  # DeepSeek's own config field (deepseek_v3 adapter)
         else:
-            if norm:
-                raise CheckpointError(
-                    m.path,
-                    "deepseek2.expert_weights_norm=true with softmax gating: transformers' DeepSeek-V2 does not "
-                    "renormalise the top-k weights",
-                )
+            # softmax with expert_weights_norm: llama.cpp renormalises the top-k weights before the
+            # scale; the DeepSeek-V2 adapter does too where norm_topk_prob is set (no V2 release sets it)
             fields["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
         if dense and dense != list(range(fields["first_k_dense_replace"])):
             raise CheckpointError(
@@ -439,7 +450,7 @@ class GGUFModel:
             if layer not in layout.moe_layers:
                 return _NORMS | attention | _DENSE_MLP
             mlp = _ROUTER | _DEEPSEEK_SHARED
-            if sigmoid:
+            if sigmoid or biased:
                 mlp = mlp | {"exp_probs_b.bias": _MLA["exp_probs_b.bias"]}
             return _NORMS | attention | mlp
 

@@ -16,10 +16,16 @@ the expanded K/V. The absorbed form does the same arithmetic in the other associ
 The cache holds, per token and layer, one row ``[c (kv_lora_rank) | k_rope (qk_rope_head_dim)]`` in
 the model's dtype, as the layer's "keys" (its "values" are zero-wide): exactly
 ``(kv_lora_rank + qk_rope_head_dim) x element size`` bytes a token and layer, never the expanded K/V.
-The engine's attention kernel (``attn_prefill``) reads those rows in place as K (all of the row) and
-V (its first ``kv_lora_rank`` values); for one token of one sequence the heads are spread over the
-engine's pool. Shapes the kernel does not take (widths not a multiple of 16, large padding masks)
-run the same absorbed arithmetic in torch.
+The engine's attention kernels read those rows in place as K (all of the row) and V (its first
+``kv_lora_rank`` values: ``attn_prefill``; the decode kernel takes V as wide as K and the rope part
+of its output is dropped); for one token of one sequence the heads are spread over the engine's
+pool. Shapes the kernels do not take (widths not a multiple of 16, large padding masks) run the
+same arithmetic in torch.
+
+Prompts of 128 tokens or more attend in the expanded form instead (``_expands``: fewer products
+per query/key pair once the prompt is long): the cached latents are expanded through kv_b_proj for
+the duration of the call, and the engine's prefill kernel runs over the per-head K/V. The cache is
+the same latent rows either way.
 
 Installed on CPU loads for the adapters whose ``attention`` is ``"mla"``; training, autograd and a
 cache written by transformers' own forward go to transformers' forward unchanged.
@@ -34,12 +40,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.dispatch import engine_module
 from .adapters.base import MoEAdapter
 from .cpu_attention import _KV_DTYPES, PREFILL_MASK_ELEMENTS, _additive, _engine_prefill
 
-# For one query token the kernel's unit of work is one (batch row, KV head, block of 16 tokens);
-# MLA has one KV head, so the heads are split into this many groups, each a work item.
+# For one query token the decode kernel's unit of work is one (batch row, KV head); MLA has one KV
+# head, so the heads are split into this many groups (or the largest of 4, 2, 1 dividing them), each
+# a work item of the engine's pool.
 _DECODE_HEAD_GROUPS = 8
+# Prompts of at least this many tokens attend in the expanded form (``_expands``), unless its K/V
+# for the whole context would take more than _EXPANDED_MAX_BYTES.
+_EXPANDED_MIN_TOKENS = 128
+_EXPANDED_MAX_BYTES = 256 << 20
 
 
 def weight_read_linears(adapter: MoEAdapter) -> tuple[str, ...]:
@@ -132,14 +144,65 @@ def mla_absorbed(
     if cache is not None:
         rows, _ = cache.update(rows, rows.new_empty(b, 1, t, 0), attn.layer_idx)
 
-    weight = attn.kv_b_proj.weight.view(heads, nope + v_dim, rank)
-    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]  # views: no copy of the weight
-    q_lat = torch.matmul(q_nope.to(weight.dtype), w_uk).float()  # [B, H, T, rank]
+    if _expands(attn, t, rows):
+        return attn.o_proj(_expanded_prompt(attn, q_nope, q_rot, rows, mask).to(x.dtype)), None
+    w_uk_t, w_uv = _absorbed_weights(attn)
+    q_lat = torch.matmul(w_uk_t, q_nope.to(w_uk_t.dtype).transpose(-1, -2)).transpose(-1, -2).float()  # [B,H,T,rank]
     query = torch.cat((q_lat, q_rot.float()), dim=-1)  # [B, H, T, rank + rope]
     o_lat = _attend(query, rows, rank, mask, float(attn.scaling))  # [B, H, T, rank] fp32
-    out = torch.matmul(o_lat.to(weight.dtype), w_uv.transpose(1, 2))  # [B, H, T, v]
-    out = out.transpose(1, 2).reshape(b, t, heads * v_dim).to(x.dtype)
+    out = torch.matmul(w_uv, o_lat.to(w_uv.dtype).transpose(-1, -2))  # [B, H, v, T]
+    out = out.permute(0, 3, 1, 2).reshape(b, t, heads * v_dim).to(x.dtype)
     return attn.o_proj(out), None
+
+
+def _expands(attn: nn.Module, t: int, rows: torch.Tensor) -> bool:
+    """A long prompt attends in the expanded form (``_expanded_prompt``) where that costs less: per
+    head and query/key pair the absorbed form multiplies ``2 rank + rope`` values (1088 at DeepSeek's
+    512 + 64), the expanded one ``nope + rope + v`` (320) after expanding every cached row once
+    (``rank x (nope + v)`` per row and head): cheaper from about 170 query tokens on, whatever the
+    context. The expanded K/V exist only during the call; past _EXPANDED_MAX_BYTES it stays absorbed."""
+    heads, length = attn.num_heads, rows.shape[2]
+    k_dim, v_dim = attn.qk_nope_head_dim + attn.qk_rope_head_dim, attn.v_head_dim
+    if t < _EXPANDED_MIN_TOKENS or rows.dtype not in _KV_DTYPES or k_dim % 16 or v_dim % 16:
+        return False
+    return rows.shape[0] * heads * length * (k_dim + v_dim) * rows.element_size() <= _EXPANDED_MAX_BYTES
+
+
+def _expanded_prompt(
+    attn: nn.Module, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """transformers' own arithmetic for a prompt: every cached latent expanded through kv_b_proj to
+    per-head K ``[c W_UK | k_rope]`` and V ``c W_UV`` (in the model's dtype), then the engine's prefill
+    kernel over them. Returns ``[B, T, H * v]`` fp32."""
+    b, heads, t, _ = q_nope.shape
+    length, rank, nope = rows.shape[2], attn.kv_lora_rank, attn.qk_nope_head_dim
+    kv = attn.kv_b_proj(rows[:, 0, :, :rank]).view(b, length, heads, nope + attn.v_head_dim).transpose(1, 2)
+    k_rope = rows[:, :, :, rank:].expand(b, heads, length, attn.qk_rope_head_dim)
+    keys = torch.cat((kv[..., :nope], k_rope), dim=-1)
+    values = kv[..., nope:]
+    query = torch.cat((q_nope, q_rot), dim=-1).float()
+    plan = _engine_plan(query, keys, values.shape[-1], mask)
+    if plan is not None:
+        return _engine_prefill(query, keys, values, plan, float(attn.scaling)).reshape(b, t, -1)
+    return _torch_attention(query, keys, values, mask, float(attn.scaling)).transpose(1, 2).reshape(b, t, -1)
+
+
+def _absorbed_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_UK^T [H, rank, nope], W_UV [H, v, rank])`` from kv_b_proj's weight, contiguous, made once
+    (again if the weight is replaced). Both are products of one token's head with a weight row block
+    (GEMVs): torch runs them at ~2.5x the speed from contiguous per-head blocks than from views of
+    the weight (measured at DeepSeek-V2-Lite's 16 heads, bf16, one thread: 0.44 against 1.2 ms a
+    layer), which costs a second copy of kv_b_proj's weight (DeepSeek-V3: 32 MiB a layer in bf16)."""
+    weight = attn.kv_b_proj.weight
+    cached = attn.__dict__.get("_hetmoe_absorbed")
+    if cached is not None and cached[0] is weight:
+        return cached[1], cached[2]
+    heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
+    w = weight.detach().view(heads, nope + v_dim, attn.kv_lora_rank)
+    w_uk_t = w[:, :nope, :].transpose(1, 2).contiguous()
+    w_uv = w[:, nope:, :].contiguous()
+    attn._hetmoe_absorbed = (weight, w_uk_t, w_uv)
+    return w_uk_t, w_uv
 
 
 def _attend(
@@ -147,20 +210,23 @@ def _attend(
 ) -> torch.Tensor:
     """softmax(query rows^T * scale + mask) rows[..., :rank] for ``query [B, H, T, Dk]`` (fp32) over the
     cached ``rows [B, 1, L, Dk]``; a missing mask is causal, the queries being the last T rows."""
-    b, h, t, dk = query.shape
-    length = rows.shape[2]
+    b, t = query.shape[0], query.shape[2]
     values = rows[..., :rank]
     plan = _engine_plan(query, rows, rank, mask)
     if plan is not None:
-        if b == 1 and t == 1 and plan[0] is None and h % _DECODE_HEAD_GROUPS == 0:
-            # one token: the heads in groups, each group a "batch row" over the same (stride-0) rows
-            g = _DECODE_HEAD_GROUPS
-            out = _engine_prefill(
-                query.view(g, h // g, 1, dk), rows.expand(g, -1, -1, -1), values.expand(g, -1, -1, -1), plan, scale
-            )
-            return out.view(1, 1, h, rank).transpose(1, 2)
+        if b == 1 and t == 1 and plan[0] is None:
+            return _engine_decode(query, rows, scale)[..., :rank]
         return _engine_prefill(query, rows, values, plan, scale).transpose(1, 2)
-    scores = torch.matmul(query, rows.float().transpose(-1, -2)) * scale  # [B, H, T, L]
+    return _torch_attention(query, rows, values, mask, scale)
+
+
+def _torch_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The same in torch, fp32: ``query [B, H, T, Dk]`` over ``keys [B, 1 or H, L, Dk]`` and ``values``
+    -> ``[B, H, T, Dv]``; a missing mask is causal, the queries being the last T keys."""
+    t, length = query.shape[2], keys.shape[2]
+    scores = torch.matmul(query, keys.float().transpose(-1, -2)) * scale  # [B, H, T, L]
     if mask is None:
         visible = torch.arange(length).view(1, length) <= (length - t + torch.arange(t)).view(t, 1)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -169,6 +235,37 @@ def _attend(
     else:
         scores = scores + mask.float()
     return torch.matmul(torch.softmax(scores, dim=-1), values.float())
+
+
+def _engine_decode(query: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token of one sequence, ``query [1, H, 1, Dk]``, over every cached row, in the engine's
+    decode kernel: it reads each key row once for a group of heads with no transposed copy (the
+    prefill kernel's fp32 transpose of every key block costs more than the products for one token).
+    The kernel's values are rows of Dk too, so the rope part of each output row is computed and then
+    dropped (Dk - kv_lora_rank of Dk wasted: 11% at DeepSeek's 512 + 64). The heads are split into
+    groups, each a work item over the same rows (a zero batch stride). Returns ``[1, H, 1, Dk]`` fp32."""
+    h, dk = query.shape[1], query.shape[-1]
+    groups = next(g for g in (_DECODE_HEAD_GROUPS, 4, 2, 1) if h % g == 0)
+    q = query.reshape(groups, 1, h // groups, dk).contiguous()
+    out = torch.empty_like(q)
+    strides = (0, rows.stride(1), rows.stride(2))
+    engine_module().attn_decode(
+        q.data_ptr(),
+        rows.data_ptr(),
+        rows.data_ptr(),
+        _KV_DTYPES[rows.dtype],
+        groups,
+        1,
+        h // groups,
+        rows.shape[2],
+        dk,
+        strides,
+        strides,
+        0,
+        float(scale),
+        out.data_ptr(),
+    )
+    return out.view(1, h, 1, dk)
 
 
 def _engine_plan(

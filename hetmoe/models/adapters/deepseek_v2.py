@@ -25,7 +25,15 @@ class DeepseekV2Adapter(MoEAdapter):
         logits = router_logits(x, block.gate.weight, fp32=True)
         method = getattr(c, "topk_method", "greedy") or "greedy"
         return softmax_group_limited_topk(
-            logits, self.top_k(), method, c.n_group, c.topk_group, float(c.routed_scaling_factor)
+            logits,
+            self.top_k(),
+            method,
+            c.n_group,
+            c.topk_group,
+            float(c.routed_scaling_factor),
+            # transformers' DeepSeek-V2 ignores the field and no V2 release sets it; a GGUF with softmax
+            # gating and expert_weights_norm does (gguf_model.py), and llama.cpp renormalises then
+            bool(getattr(c, "norm_topk_prob", False)),
         )
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

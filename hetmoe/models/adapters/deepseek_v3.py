@@ -29,6 +29,7 @@ def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor
         int(c.topk_group or 1),
         bool(c.norm_topk_prob),
         float(c.routed_scaling_factor),
+        getattr(c, "scoring_func", "sigmoid") == "softmax",
     )
 
 

@@ -108,10 +108,13 @@ def sigmoid_grouped_topk(
     topk_group: int,
     normalize: bool,
     scaling: float,
+    softmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 / Kimi-K2 / GLM-4-MoE: sigmoid scores, choice by score + correction bias within
-    the best groups (a group's score: the sum of its two best), weights from the unbiased scores."""
-    scores = logits.sigmoid()
+    """DeepSeek-V3 / Kimi-K2 / GLM-4-MoE: sigmoid scores (softmax scores for ``softmax``: a GGUF
+    whose metadata names no gating function, run as llama.cpp runs it), choice by score + correction
+    bias within the best groups (a group's score: the sum of its two best), weights from the
+    unbiased scores."""
+    scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     for_choice = scores + bias
     e = scores.shape[-1]
     group_scores = for_choice.view(-1, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -125,10 +128,17 @@ def sigmoid_grouped_topk(
 
 
 def softmax_group_limited_topk(
-    logits: torch.Tensor, k: int, method: str, n_group: int | None, topk_group: int | None, scaling: float
+    logits: torch.Tensor,
+    k: int,
+    method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    scaling: float,
+    renormalize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2: softmax scores, top-k overall (``greedy``) or within the ``topk_group`` groups
-    with the highest single score (``group_limited_greedy``), scaled, not renormalised."""
+    with the highest single score (``group_limited_greedy``), scaled; not renormalised unless
+    ``renormalize`` (llama.cpp's expert_weights_norm: the k weights divided by their sum, then scaled)."""
     scores = logits.softmax(dim=-1, dtype=torch.float32)
     if method == "group_limited_greedy":
         assert n_group and topk_group
@@ -138,6 +148,8 @@ def softmax_group_limited_topk(
     elif method != "greedy":
         raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
     weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * scaling, ids
 
 
