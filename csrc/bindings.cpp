@@ -284,6 +284,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
       py::arg("mask"), py::arg("scale"), py::arg("out"));
   m.def(
+      "head_gemv_bf16",
+      [](uintptr_t w, int64_t w_head, int64_t w_row, int64_t heads, int N, int K, uintptr_t x, int64_t x_stride,
+         uintptr_t y) {
+        // Layouts are checked in Python (hetmoe/models/mla_attention.py): bf16 blocks [heads][N][K]
+        // with the given byte strides, x fp32 [heads][K] x_stride floats apart, y fp32 [heads, N].
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (heads <= 0 || N <= 0 || K <= 0 || K % 16 || w_row < 2 * int64_t(K) || x_stride < K)
+          throw py::value_error("head_gemv_bf16: bad shape");
+        py::gil_scoped_release release;
+        head_gemv_bf16(g_selected, reinterpret_cast<const uint8_t*>(w), w_head, w_row, heads, N, K,
+                       reinterpret_cast<const float*>(x), x_stride, reinterpret_cast<float*>(y));
+      },
+      py::arg("w"), py::arg("w_head"), py::arg("w_row"), py::arg("heads"), py::arg("n"), py::arg("k"), py::arg("x"),
+      py::arg("x_stride"), py::arg("y"));
+  m.def(
       "f32_to_bf16",
       [](uintptr_t src, uintptr_t dst, int64_t n) {
         // fp32 [n] -> bf16 [n], contiguous (checked in Python); the conversion the engine's bf16 paths use.

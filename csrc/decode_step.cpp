@@ -1,5 +1,6 @@
 #include "decode_step.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -22,6 +23,27 @@ void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int
     const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
     kt->attn_decode(q + qo, groups, k + (b * kb + h * kh) * elem, v + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
                     mask ? mask + b * L : nullptr, scale, scores.data(), out + qo);
+  });
+  global_pool()->submit(job);
+  job->wait();
+}
+
+void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int64_t w_row, int64_t heads, int N,
+                    int K, const float* x, int64_t x_stride, float* y) {
+  constexpr int kRows = 64;
+  const int chunks = (N + kRows - 1) / kRows;
+  Proj p;
+  p.w = w;
+  p.w_estride = w_head;
+  p.w_rstride = w_row;
+  p.n = N;
+  p.k = K;
+  p.method = kBF16;
+  auto job = std::make_shared<ForJob>(int(heads * chunks), [=](int item) {
+    const int h = item / chunks, n0 = item % chunks * kRows, n1 = std::min(N, n0 + kRows);
+    Act a;
+    a.f = x + h * x_stride;
+    kt->gemv[kBF16](p, h, n0, n1, &a, 1, y + int64_t(h) * N + n0, 0);
   });
   global_pool()->submit(job);
   job->wait();

@@ -18,6 +18,12 @@ void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int
                        int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
                        int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out);
 
+// y[h * N + n] = dot(W_h[n, :K], x + h * x_stride) for h < heads, n < N: a separate bf16 weight
+// block per head (MLA's W_UK^T and W_UV, models/mla_attention.py), rows w_row bytes apart and
+// blocks w_head bytes apart, x fp32; items of up to 64 rows over the engine's pool. K a multiple of 16.
+void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int64_t w_row, int64_t heads, int N,
+                    int K, const float* x, int64_t x_stride, float* y);
+
 // Where the step writes this token's key and value rows and reads the cache: [heads, capacity, D]
 // buffers in the step's dtype, strides in elements (unit stride along D), `position` the new row.
 struct KVRows {

@@ -147,12 +147,30 @@ def mla_absorbed(
     if _expands(attn, t, rows):
         return attn.o_proj(_expanded_prompt(attn, q_nope, q_rot, rows, mask).to(x.dtype)), None
     w_uk_t, w_uv = _absorbed_weights(attn)
-    q_lat = torch.matmul(w_uk_t, q_nope.to(w_uk_t.dtype).transpose(-1, -2)).transpose(-1, -2).float()  # [B,H,T,rank]
+    one = b == 1 and t == 1 and w_uk_t.dtype == torch.bfloat16 and nope % 16 == 0 and rank % 16 == 0
+    if one:  # one token: both per-head products in the engine's bf16 GEMV
+        q_lat = _head_gemv(w_uk_t, q_nope.reshape(heads, nope).float()).view(1, heads, 1, rank)
+    else:
+        q_lat = torch.matmul(w_uk_t, q_nope.to(w_uk_t.dtype).transpose(-1, -2)).transpose(-1, -2).float()
     query = torch.cat((q_lat, q_rot.float()), dim=-1)  # [B, H, T, rank + rope]
     o_lat = _attend(query, rows, rank, mask, float(attn.scaling))  # [B, H, T, rank] fp32
-    out = torch.matmul(w_uv, o_lat.to(w_uv.dtype).transpose(-1, -2))  # [B, H, v, T]
-    out = out.permute(0, 3, 1, 2).reshape(b, t, heads * v_dim).to(x.dtype)
-    return attn.o_proj(out), None
+    if one:
+        out = _head_gemv(w_uv, o_lat[0, :, 0, :])
+    else:
+        out = torch.matmul(w_uv, o_lat.to(w_uv.dtype).transpose(-1, -2)).permute(0, 3, 1, 2)  # [B, T, H, v]
+    return attn.o_proj(out.reshape(b, t, heads * v_dim).to(x.dtype)), None
+
+
+def _head_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y[h] = w[h] @ x[h]`` for bf16 blocks ``w [H, N, K]`` (rows unit-strided; blocks and rows may
+    lie apart, as W_UV's do inside kv_b_proj's weight) and fp32 ``x [H, K]`` (rows unit-strided, any
+    row stride: the decode kernel's output rows, rope part after them) -> fp32 ``[H, N]``."""
+    heads, n, k = w.shape
+    y = torch.empty(heads, n)
+    engine_module().head_gemv_bf16(
+        w.data_ptr(), w.stride(0) * 2, w.stride(1) * 2, heads, n, k, x.data_ptr(), x.stride(0), y.data_ptr()
+    )
+    return y
 
 
 def _expands(attn: nn.Module, t: int, rows: torch.Tensor) -> bool:
@@ -188,11 +206,10 @@ def _expanded_prompt(
 
 
 def _absorbed_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(W_UK^T [H, rank, nope], W_UV [H, v, rank])`` from kv_b_proj's weight, contiguous, made once
-    (again if the weight is replaced). Both are products of one token's head with a weight row block
-    (GEMVs): torch runs them at ~2.5x the speed from contiguous per-head blocks than from views of
-    the weight (measured at DeepSeek-V2-Lite's 16 heads, bf16, one thread: 0.44 against 1.2 ms a
-    layer), which costs a second copy of kv_b_proj's weight (DeepSeek-V3: 32 MiB a layer in bf16)."""
+    """``(W_UK^T [H, rank, nope], W_UV [H, v, rank])`` from kv_b_proj's weight: W_UV a view of it,
+    W_UK^T a transposed copy made once (again if the weight is replaced), so that each head's
+    product with the query is a GEMV over unit-strided rows. The copy is half of kv_b_proj's weight
+    (DeepSeek-V3: 16 MiB a layer in bf16)."""
     weight = attn.kv_b_proj.weight
     cached = attn.__dict__.get("_hetmoe_absorbed")
     if cached is not None and cached[0] is weight:
@@ -200,7 +217,7 @@ def _absorbed_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
     w = weight.detach().view(heads, nope + v_dim, attn.kv_lora_rank)
     w_uk_t = w[:, :nope, :].transpose(1, 2).contiguous()
-    w_uv = w[:, nope:, :].contiguous()
+    w_uv = w[:, nope:, :]
     attn._hetmoe_absorbed = (weight, w_uk_t, w_uv)
     return w_uk_t, w_uv
 
