@@ -1,5 +1,7 @@
 """The memory planner against what loading actually holds, and its verdicts under fake limits."""
 
+import json
+
 import pytest
 import torch
 
@@ -33,11 +35,17 @@ def test_bytes_match_the_loaded_model(tiny_cache, method, dense_method) -> None:
     assert plan.expert_device_bytes == 3 * 64 * 32 * 2  # gate, up, down of hidden 64 x 32 in bf16
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_kv_bytes_per_token_match_transformers_cache(tiny_cache, model_type) -> None:
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"])
+def test_kv_bytes_per_token_match_transformers_cache(tiny_cache, model_type, tmp_path) -> None:
     from hetmoe import load_model
 
     path = tiny_cache.model(model_type)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("qk_rope_head_dim") not in (None, config.get("head_dim")):
+        # transformers' DeepSeek-V3 rotary tables are head_dim wide: the tiny config's 16 against its
+        # rope dimension 8 fails in transformers itself; head_dim = qk_rope_head_dim, as its config derives
+        path = tiny_cache.copy(path, tmp_path / model_type)
+        (path / "config.json").write_text(json.dumps(config | {"head_dim": config["qk_rope_head_dim"]}))
     plan = plan_memory(path, ram="64GiB")
     model = load_model(path)
     tokens = 8  # below gpt-oss's tiny sliding window, so every layer caches every token
@@ -45,6 +53,9 @@ def test_kv_bytes_per_token_match_transformers_cache(tiny_cache, model_type) -> 
         cache = model(torch.arange(tokens).unsqueeze(0), use_cache=True).past_key_values
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert plan.kv_bytes_per_token * tokens == held
+    c = model.config
+    if model_type.startswith("deepseek"):  # MLA: one latent row a token and layer, nothing per head
+        assert plan.kv_bytes_per_token == (c.kv_lora_rank + c.qk_rope_head_dim) * 2 * c.num_hidden_layers
 
 
 def test_check_refuses_what_does_not_fit_with_the_numbers(tiny_cache) -> None:
