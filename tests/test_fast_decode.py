@@ -41,6 +41,9 @@ def test_bit_identical_to_transformers_forward(tiny_cache, dense: str) -> None:
 
     model = load_model(tiny_cache.model("qwen3_moe"), dense_method=dense)
     assert len(_fast_layers(model)) == model.config.num_hidden_layers
+    assert f"layers 0-1: attention one engine call a decode step (fast_decode.py); linears 4 engine {dense}" in (
+        model.hetmoe.summary(verbose=True)
+    )
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
     fast = _steps(model, ids, 24, fast=True)
     slow = _steps(model, ids, 24, fast=False)
@@ -68,6 +71,9 @@ def test_not_installed_without_fused_projections(tiny_cache) -> None:
 
     model = load_model(tiny_cache.model("qwen3_moe"), dense_method="torch")  # q/k/v stay torch Linears
     assert not _fast_layers(model)
+    assert "attention transformers' layer, engine attention kernel, engine rotary; linears 4 torch" in (
+        model.hetmoe.summary(verbose=True)
+    )
 
 
 @pytest.mark.parametrize("path", ["block", "direct"])

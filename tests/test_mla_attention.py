@@ -240,6 +240,8 @@ def test_model_greedy_decode_equals_transformers(arch: str, q_lora: int | None, 
     want_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     ours = load_model(tmp_path, dtype=torch.float32)
     assert sum(getattr(m.forward, "hetmoe_mla", False) for m in ours.modules()) == config.num_hidden_layers
+    paths = ours.hetmoe.summary(verbose=True)  # names the path each layer takes
+    assert paths.count("MLA absorbed") == 2 and "routed experts in the engine (bf16)" in paths  # layer 0 dense
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
     kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():

@@ -109,6 +109,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="after loading, name the path each layer runs (attention, linears, MLP, lm_head) and its precision",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU engine threads (default: every usable CPU)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype (default: the config's)")
     p.set_defaults(run=run)
@@ -201,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         dense_method=args.dense_method,
     )
     runtime = model.hetmoe
-    print(f"loaded {model_dir} in {runtime.load_seconds:.2f} s: {runtime.summary()}", file=sys.stderr)
+    print(f"loaded {model_dir} in {runtime.load_seconds:.2f} s: {runtime.summary(args.verbose)}", file=sys.stderr)
     for note in runtime.notes:
         print(f"note: {note}", file=sys.stderr)
     if args.seed is not None:

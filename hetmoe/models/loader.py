@@ -46,6 +46,7 @@ from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
 from .mla_attention import install_mla, weight_read_linears
+from .paths import layer_paths
 from .planner import plan_memory
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -219,6 +220,7 @@ def load_model(
         runtime.notes += gguf.notes
     if dev.type == "cpu" and torch_threads_note:
         runtime.notes.append(torch_threads_note)
+    runtime.layer_paths = layer_paths(model)
     model.hetmoe = runtime
     return model
 

@@ -30,6 +30,8 @@ class HybridRuntime:
     routing_path: Path | None = None
     load_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # Which path each decoder layer runs (models/paths.py, filled by load_model); summary(verbose=True)
+    layer_paths: list[str] = field(default_factory=list)
     prefill_threshold: int | None = None
     prefill_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     defer_experts: int = 0
@@ -102,7 +104,15 @@ class HybridRuntime:
         if self.routing_path is not None and self.stats.routing:
             self.stats.save_routing(self.routing_path)
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """One line: the MoE layers and their experts; ``verbose`` adds a line per run of layers with
+        the paths they take (attention, linears, MLP) and the lm_head's."""
+        text = self._summary_line()
+        if verbose and self.layer_paths:
+            text += "".join(f"\n  {line}" for line in self.layer_paths)
+        return text
+
+    def _summary_line(self) -> str:
         on_device = sum(len(ids) for ids in self.placement.values())
         isa = next((getattr(m.cpu, "isa", "?") for m in self.layers.values()), "?")
         text = (
