@@ -31,7 +31,8 @@ namespace {
 
 #include "amx_tiles.h"
 
-enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2 };  // code - 8, code - z[g], E2M1
+// code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15)
+enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2, kNibbleQ4_0 = 3 };
 
 // 16 fp32 -> 16 bf16, round to nearest even (finite inputs).
 inline __m256i to_bf16x16(__m512 v) {
@@ -247,6 +248,32 @@ inline float nibble_scale(const uint8_t* s, int g) {
   return f;
 }
 
+// One row's columns [k0, k0 + kc) of GGUF Q4_0 blocks (18 bytes per 32: fp16 d, then 16 bytes whose
+// low nibbles are k 0-15 and high nibbles k 16-31) into bf16 hi/lo in k order. w = d * (code - 8) has
+// at most 15 significant bits (fp16's 11 times 4), so as for the other 4-bit rows hi (w truncated to
+// bf16) + lo (the rest, at most 7 bits) is w exactly. The halves of a block are each 16 consecutive
+// k, so each is narrowed (vpmovdw of the top 16 bits) and stored in place.
+inline void q4_0_chunk_row(const uint8_t* row, int k0, int kc, uint16_t* h, uint16_t* l) {
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int k = 0; k < kc; k += 32) {
+    const uint8_t* block = row + int64_t((k0 + k) / 32) * 18;
+    uint16_t d16;
+    std::memcpy(&d16, block, 2);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(d16));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i halves[2] = {_mm_and_si128(packed, _mm_set1_epi8(0x0F)),
+                               _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))};
+    for (int half = 0; half < 2; ++half) {
+      const __m512 w = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(halves[half]), _mm512_set1_epi32(8))), d);
+      const __m512i wb = _mm512_castps_si512(w);
+      const __m512i rest = _mm512_castps_si512(_mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_and_si512(wb, top))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k + 16 * half), _mm512_cvtepi32_epi16(_mm512_srli_epi32(wb, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + k + 16 * half), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rest, 16)));
+    }
+  }
+}
+
 // Rows [r0, r0 + rows) of expert e, columns [k0, k0 + kc), into hi/lo [rows][kChunk] (zero rows past R).
 template <int Decode, int Kind>
 void dequant_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, int kc, uint16_t* hi, uint16_t* lo) {
@@ -260,6 +287,10 @@ void dequant_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0,
       continue;
     }
     const int n = r0 + r;
+    if constexpr (Decode == kNibbleQ4_0) {
+      q4_0_chunk_row(p.w + e * p.w_estride + int64_t(n) * p.w_rstride, k0, kc, h, l);
+      continue;
+    }
     const uint8_t* w = p.w + e * p.w_estride + int64_t(n) * p.w_rstride + k0 / 2;
     const uint8_t* s = p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
     const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
@@ -333,6 +364,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
 void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
                      int ldc) {
   if (p.method == kMXFP4) return gemm_nibble_t<kNibbleE2M1, kScaleE8M0>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+  if (p.method == kQ4_0) return gemm_nibble_t<kNibbleQ4_0, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
   if (p.z) {
     if (p.scale_kind == kScaleF16) return gemm_nibble_t<kNibbleZeros, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
     return gemm_nibble_t<kNibbleZeros, kScaleBF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);

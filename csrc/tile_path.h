@@ -99,7 +99,7 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     const int padded = R > 16 ? kAmxRows : 16;  // the kernels read whole A tiles of 16 rows
     float* out = c + (r0 - n0);
     int64_t stride = 0;
-    if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4)) {
+    if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4 || p.method == kQ4_0)) {
       kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, out, ldc);
       continue;
     }

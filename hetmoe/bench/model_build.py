@@ -70,6 +70,7 @@ class ModelShape:
             max_position_embeddings=4096,
             rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
             dtype="bfloat16",
+            architectures=["Qwen3MoeForCausalLM"],  # what llama.cpp's converter detects the model by
         )
 
     def bytes_bf16(self) -> int:
