@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,18 +57,10 @@ def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: int) -> dict[st
 
 
 def llama_speeds(llama_bench: Path, gguf: Path, threads: int, steps: int, prefill: int) -> dict[str, float]:
-    # --repack 0: on CPUs with AMX, llama.cpp's AMX repack dies with SIGILL (../shared/peers/README.md)
-    cmd = [str(llama_bench), "-m", str(gguf), "-t", str(threads), "-p", str(prefill), "-n", str(steps)]
-    cmd += ["-r", "1", "--repack", "0", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"llama-bench failed on {gguf} ({out.returncode}): {out.stderr.strip()[-400:]}")
-    runs = json.loads(out.stdout)
-    speeds: dict[str, float] = {}
-    for run in runs:
-        kind = "prefill" if run["n_prompt"] and not run["n_gen"] else "decode"
-        speeds[kind] = float(run["avg_ts"])
-    return speeds
+    from hetmoe.bench.llama_cpp import llama_bench as run
+
+    speeds = run(llama_bench, gguf, threads, steps, (prefill,))
+    return {"decode": speeds["decode"], "prefill": speeds[f"prefill {prefill}"]}
 
 
 def main() -> int:

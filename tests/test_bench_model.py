@@ -71,7 +71,8 @@ def test_run_produces_consistent_records(built, tmp_path) -> None:
             alone = phase["parts_alone_ms"]
             assert alone["sum"] == pytest.approx(sum(v for k, v in alone.items() if k != "sum"), abs=0.01)
     table = format_table(result)
-    assert "int4/int8" in table and "llama.cpp Q4_0" in table and "pf16" in table
+    assert "int4/int8" in table and "pf16" in table
+    assert "llama.cpp not run" in table  # nothing stored is printed: llama.cpp only when it ran here
     write_json(result, tmp_path / "bench.json")
     assert json.loads((tmp_path / "bench.json").read_text())["records"][0]["variant"] == "int4/int8"
 
@@ -85,9 +86,26 @@ def test_bad_input() -> None:
     assert main(["bench", "model", "--variants", "int4", "--cache-dir", "/nonexistent/never-built"]) == 1
 
 
-def test_llama_cpp_reference_is_the_machine_kinds() -> None:
-    from hetmoe.bench.model import LLAMA_CPP, llama_cpp_reference
+def test_llama_bench_failures_are_one_clear_line(tmp_path) -> None:
+    from hetmoe.bench.llama_cpp import llama_bench
 
-    assert llama_cpp_reference("AMD EPYC") == ("AMD", {"AMD": LLAMA_CPP["AMD"]})
-    assert llama_cpp_reference("Intel(R) Xeon(R) Platinum 8581C")[0] == "Intel"
-    assert llama_cpp_reference("Neoverse-V2") == (None, LLAMA_CPP)  # unknown: every machine's, labelled
+    with pytest.raises(ValueError, match="no llama-bench binary there"):
+        llama_bench(tmp_path / "llama-bench", tmp_path / "m.gguf", 2, 8, (16,))
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"m\.gguf exited 1: error: failed to load model"):
+        llama_bench(fake, tmp_path / "m.gguf", 2, 8, (16,))
+
+
+def test_llama_bench_output_is_read_as_measured(tmp_path) -> None:
+    """llama-bench's JSON (one record per test) becomes decode and prefill tokens/s."""
+    from hetmoe.bench.llama_cpp import llama_bench
+
+    fake = tmp_path / "llama-bench"
+    runs = '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 120.5}, {"n_prompt": 0, "n_gen": 8, "avg_ts": 30.25}]'
+    fake.write_text(f"#!/bin/sh\necho '{runs}'\n")
+    fake.chmod(0o755)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert llama_bench(fake, tmp_path / "m.gguf", 2, 8, (16,)) == {"prefill 16": 120.5, "decode": 30.25}

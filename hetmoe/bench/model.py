@@ -26,7 +26,9 @@ Per variant and torch thread count it measures, with medians over repeats:
 
 Thread policy: the engine's pool has ``threads`` workers (default: every usable core); torch's
 intra-op threads are set per run (``torch_threads``), since both compete for the same cores.
-llama.cpp's figures for this kind of machine (LLAMA_CPP) are printed next to the results.
+llama.cpp is measured, not quoted: with ``llama_bench`` and ``llama_gguf`` (GGUF files of the same
+model, made with llama.cpp's converter and quantizer), llama-bench runs on each file after hetmoe's
+variants in the same run (bench/llama_cpp.py); without them no llama.cpp figures are printed.
 """
 
 from __future__ import annotations
@@ -51,36 +53,8 @@ from ..kernels import select_isa, set_num_threads
 from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.hybrid import HybridMoE
+from .llama_cpp import llama_bench
 from .model_build import DEFAULT_CACHE, ModelShape, build_model
-
-# llama.cpp on this project's machines (2 threads), this exact model, per GGUF type: decode tok/s and
-# prefill tok/s by prompt length (None: not measured). The machine is matched by the vendor in the
-# CPU's model name; this project's VMs come as one of these two kinds.
-# - Intel Xeon (family 6 model 207, AVX-512 without AMX): the figures issue 7 states.
-# - AMD EPYC (family 26, Zen 5): llama.cpp 0c1e570 (the copy inside llama-cpp-python 0.3.36) built
-#   on the machine with -march=native, `llama-bench -t 2 -p 128,512 -n 64`, medians of 4-5 runs
-#   taken with the machine otherwise idle (2026-12-01; decode varied +-20% between runs).
-LLAMA_CPP: dict[str, dict[str, dict[str, float | None]]] = {
-    "Intel": {
-        "Q4_0": {"decode": 80.0, "prefill 128": None, "prefill 512": 220.0},
-        "Q4_K_M": {"decode": 75.0, "prefill 128": None, "prefill 512": 207.0},
-        "BF16": {"decode": 28.0, "prefill 128": None, "prefill 512": 110.0},
-    },
-    "AMD": {
-        "Q4_0": {"decode": 252.0, "prefill 128": 616.0, "prefill 512": 587.0},
-        "Q4_K_M": {"decode": 235.0, "prefill 128": 679.0, "prefill 512": 658.0},
-        "BF16": {"decode": 82.0, "prefill 128": 609.0, "prefill 512": 669.0},
-    },
-}
-
-
-def llama_cpp_reference(cpu_model: str) -> tuple[str | None, dict[str, dict[str, dict[str, float | None]]]]:
-    """The llama.cpp figures of the machine kind whose vendor ``cpu_model`` names, else all of them."""
-    for vendor, figures in LLAMA_CPP.items():
-        if vendor.lower() in cpu_model.lower():
-            return vendor, {vendor: figures}
-    return None, LLAMA_CPP
-
 
 DEFAULT_VARIANTS = ("int4/int8", "int4/int4", "int4/torch", "bf16/bf16", "gguf:q4_0/gguf:q4_0")
 PARTS = ("attn_linears", "attn_core", "router_glue", "cpu_experts", "lm_head", "other")
@@ -101,6 +75,8 @@ class ModelBenchConfig:
     seed: int = 0
     isa: str = "auto"
     flush_bytes: int | None = None  # read between timings of a part alone (None: twice the last-level cache)
+    llama_bench: Path | None = None  # llama.cpp's llama-bench, run on llama_gguf in this run
+    llama_gguf: tuple[Path, ...] = ()  # GGUF files of this model (llama.cpp's converter and quantizer)
 
 
 def parse_variant(text: str) -> tuple[str, str | None]:
@@ -388,13 +364,18 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
         set_num_threads(cfg.threads)
     engine_threads = cfg.threads or len(os.sched_getaffinity(0))  # the pool's default: every usable core
     cpu_model = cpu_info().model
-    same_kind, reference = llama_cpp_reference(cpu_model)
+    if cfg.llama_gguf and cfg.llama_bench is None:
+        raise ValueError("--llama-gguf needs --llama-bench (the llama-bench binary to run on them)")
     base = build_model(cfg.shape, cfg.cache_dir, cfg.seed, log)
     sources = {m: _source_for(base, m, cfg.cache_dir, log) for m in dict.fromkeys(e for e, _ in variants)}
     records = []
     for variant, (experts, _) in zip(cfg.variants, variants, strict=True):
         for threads in cfg.torch_threads:
             records.append(measure_variant(sources[experts], variant, threads, cfg, log))
+    llama = {}
+    for gguf in cfg.llama_gguf:  # after hetmoe's variants, in the same run
+        log(f"llama-bench on {gguf}")
+        llama[Path(gguf).name] = llama_bench(cfg.llama_bench, gguf, engine_threads, cfg.steps, tuple(cfg.prefill))
     return {
         "model": base.name,
         "shape": asdict(cfg.shape),
@@ -405,8 +386,7 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
         "repeats": cfg.repeats,
         "flush_bytes": cfg.flush_bytes if cfg.flush_bytes is not None else 2 * last_level_cache_bytes(),
         "cpu": cpu_model,
-        "llama_cpp_machine": same_kind,
-        "llama_cpp": reference,
+        "llama_cpp": llama,
         "records": records,
     }
 
@@ -441,12 +421,12 @@ def format_table(result: dict[str, Any]) -> str:
         row += f"{d['vs_parts']:7.2f} "
         row += " ".join(f"{r['prefill'][t]['tokens_per_s']:8.1f} {r['prefill'][t]['vs_parts']:7.2f}" for t in keys)
         lines.append(row)
-    for machine, figures in result["llama_cpp"].items():
-        where = "this kind of machine" if machine == result.get("llama_cpp_machine") else f"the {machine} machine"
-        for name, f in figures.items():
-            row = f"{'llama.cpp ' + name:22s} {2:5d} {f['decode']:8.1f} {1e3 / f['decode']:7.2f} "
-            row += " ".join(f"{f'{x:.1f}' if (x := f.get('prefill ' + t)) else '-':>8s} {'':7s}" for t in keys)
-            lines.append(f"{row} ({where})")
+    for name, f in result["llama_cpp"].items():  # measured in this run (run_bench)
+        row = f"{'llama.cpp ' + name[:12]:22s} {'-':>5s} {f['decode']:8.1f} {1e3 / f['decode']:7.2f} {'':7s} "
+        row += " ".join(f"{f'{x:.1f}' if (x := f.get('prefill ' + t)) else '-':>8s} {'':7s}" for t in keys)
+        lines.append(row)
+    if not result["llama_cpp"]:
+        lines.append("(llama.cpp not run: --llama-bench BIN --llama-gguf FILE,... measures it in this run)")
     header = f"{'variant':22s} {'torch':>5s} " + " ".join(f"{p:>19s}" for p in (*PARTS, "total"))
     lines += ["", "decode, ms per token by part (in the model | each part alone, summed over layers):", header]
     lines += [_split_row(r, r["decode"], 2) for r in result["records"]]

@@ -72,14 +72,17 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
             "layers, loads it CPU-only per VARIANT (EXPERTS/DENSE: the experts' engine method, and the dense "
             "layers' engine method or 'torch' for torch bf16 Linears) and measures decode tokens/s after --context "
             "prompt tokens and prefill tokens/s, the time split over attention linears, attention core, router, "
-            "CPU experts, lm_head and the rest, and the same parts each run alone. Prints a table with "
-            "llama.cpp's figures for this model as reference; --json writes every number."
+            "CPU experts, lm_head and the rest, and the same parts each run alone. With --llama-bench and "
+            "--llama-gguf, llama.cpp's llama-bench runs on those GGUF files of the same model in the same run "
+            "(make them with llama.cpp's convert_hf_to_gguf.py and llama-quantize from the built directory, "
+            "../shared/peers/README.md); --json writes every number."
         ),
         epilog=(
             "examples:\n"
             "  hetmoe bench model --threads 2 --json docs/bench-model.json\n"
             "  hetmoe bench model --variants int4/int8 --torch-threads 1,2 --repeats 1 --steps 8\n"
-            "  hetmoe bench model --layers 2 --variants bf16/bf16,gguf:q4_0/gguf:q4_0"
+            "  hetmoe bench model --layers 2 --variants bf16/bf16,gguf:q4_0/gguf:q4_0\n"
+            "  hetmoe bench model --llama-bench llama.cpp/bin/llama-bench --llama-gguf m-Q4_0.gguf,m-Q4_K_M.gguf"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -100,6 +103,10 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
         "--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where models are built (default {DEFAULT_CACHE})"
     )
     m.add_argument("--isa", default="auto", help="kernel variant: auto, avx2, avx512, amx")
+    m.add_argument("--llama-bench", type=Path, metavar="BIN", help="llama.cpp's llama-bench, run in this run")
+    m.add_argument(
+        "--llama-gguf", type=_csv(Path), default=(), metavar="FILES", help="GGUF files of this model for llama-bench"
+    )
     m.add_argument("--json", metavar="FILE", help="write the records as JSON")
     m.set_defaults(run=run_model)
 
@@ -124,6 +131,8 @@ def run_model(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         cache_dir=args.cache_dir,
         isa=args.isa,
+        llama_bench=args.llama_bench,
+        llama_gguf=tuple(args.llama_gguf),
     )
     result = bench_model.run_bench(cfg, log=lambda line: print(line, file=sys.stderr))
     print(bench_model.format_table(result))
