@@ -125,10 +125,11 @@ class DenseConverter:
         """Swap every target for its CPULinear; returns notes for the load summary."""
         for name, mod in self.targets.items():
             q = self._quantized.pop(name, None)
-            if q is None and self.method == STORED:  # stored in a precision the engine does not run
+            if q is None and self.method == STORED:  # tied, or stored in a precision the engine does not run
                 if mod.weight.is_meta or mod.weight.dtype != torch.bfloat16 or self.dtype != torch.bfloat16:
-                    continue  # read and left in torch (or tied: stays with the embeddings' dtype)
-                q = quantize_weight(mod.weight, "bf16", None, f"{name}.weight")  # a tied bf16 weight
+                    continue  # left in torch
+                # a bf16 model holds it in bf16 now (tied, or rounded there when read): the same values
+                q = quantize_weight(mod.weight, "bf16", None, f"{name}.weight")
                 self.stored_as["bf16"] = self.stored_as.get("bf16", 0) + 1
             if q is None:  # a tied weight (lm_head = embeddings): loaded by tie_weights, quantized now
                 if mod.weight.is_meta:
