@@ -422,7 +422,8 @@ def format_table(result: dict[str, Any]) -> str:
         row += " ".join(f"{r['prefill'][t]['tokens_per_s']:8.1f} {r['prefill'][t]['vs_parts']:7.2f}" for t in keys)
         lines.append(row)
     for name, f in result["llama_cpp"].items():  # measured in this run (run_bench)
-        row = f"{'llama.cpp ' + name[:12]:22s} {'-':>5s} {f['decode']:8.1f} {1e3 / f['decode']:7.2f} {'':7s} "
+        label = "llama.cpp " + name.removesuffix(".gguf")[:12]
+        row = f"{label:22s} {'-':>5s} {f['decode']:8.1f} {1e3 / f['decode']:7.2f} {'':7s} "
         row += " ".join(f"{f'{x:.1f}' if (x := f.get('prefill ' + t)) else '-':>8s} {'':7s}" for t in keys)
         lines.append(row)
     if not result["llama_cpp"]:
