@@ -149,6 +149,13 @@ def _prefill_plan(
     if mask is None:
         causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
         return (None, causal) if not causal or t == length else None
+    return mask_plan(mask, b, h, t, length)
+
+
+def mask_plan(mask: torch.Tensor, b: int, h: int, t: int, length: int) -> tuple[torch.Tensor, bool] | None:
+    """``(additive fp32 mask [B, 1 or H, T, L], False)`` for the engine's prefill kernel from a boolean or
+    additive mask of those dims (batch and heads may broadcast); None where the kernel does not take it
+    (another layout, or more than PREFILL_MASK_ELEMENTS once widened)."""
     if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h) or mask.shape[2:] != (t, length):
         return None
     if b * mask.shape[1] * t * length > PREFILL_MASK_ELEMENTS:

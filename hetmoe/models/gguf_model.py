@@ -170,18 +170,25 @@ class GGUFTensors:
         if name in self._experts:
             return None
         entry = self._entry(name)
-        if len(entry.parts) != 1 or entry.build is not None:
+        if len(entry.parts) != 1 or entry.build is not None or len(entry.shape) != 2:
             return None
-        key = entry.parts[0]
-        info = self._raw.info(key)
-        stored = str(info.dtype)
-        if stored in _FLOATS or tuple(info.shape) != tuple(entry.shape) or len(entry.shape) != 2:
+        info = self._raw.info(entry.parts[0])
+        if str(info.dtype) in _FLOATS or tuple(info.shape) != tuple(entry.shape):
             return None
         try:
-            codec = get_codec(f"gguf:{stored.lower()}")
+            return self._blocks(entry.parts[0])[1]
         except UnknownMethodError:
             return None
-        return QuantizedTensor(codec.label(), tuple(info.shape), {".weight": self._raw.get(key)}, {"ggml_type": stored})
+
+    def _blocks(self, key: str) -> tuple[Any, QuantizedTensor]:
+        """``(codec, the tensor's blocks)`` of a GGUF tensor in a block type; UnknownMethodError for a
+        type hetmoe has no codec for."""
+        info = self._raw.info(key)
+        stored = str(info.dtype)
+        codec = get_codec(f"gguf:{stored.lower()}")
+        return codec, QuantizedTensor(
+            codec.label(), tuple(info.shape), {".weight": self._raw.get(key)}, {"ggml_type": stored}
+        )
 
     def _entry(self, name: str) -> _Entry:
         try:
@@ -192,15 +199,13 @@ class GGUFTensors:
     def _decode(self, key: str) -> torch.Tensor:
         """A GGUF tensor as floats in its logical (torch-order) shape."""
         info = self._raw.info(key)
-        raw = self._raw.get(key)
         stored = str(info.dtype)
         if stored in _FLOATS:
-            return raw.view(_FLOATS[stored]).reshape(info.shape)  # a view of the mapped file
+            return self._raw.get(key).view(_FLOATS[stored]).reshape(info.shape)  # a view of the mapped file
         try:
-            codec = get_codec(f"gguf:{stored.lower()}")
+            codec, q = self._blocks(key)
         except UnknownMethodError as exc:
             raise CheckpointError(info.file, f"tensor {key}: {exc}") from None
-        q = QuantizedTensor(codec.label(), tuple(info.shape), {".weight": raw}, {"ggml_type": stored})
         try:
             return codec.dequantize(q)
         except FormatError as exc:

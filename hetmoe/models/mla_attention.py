@@ -27,7 +27,7 @@ per query/key pair once the prompt is long): the cached latents are expanded thr
 the duration of the call, and the engine's prefill kernel runs over the per-head K/V. The cache is
 the same latent rows either way.
 
-Installed on CPU loads for the adapters whose ``attention`` is ``"mla"``; training, autograd and a
+Installed on CPU loads for the adapters that are ``MLAAdapter``s; training, autograd and a
 cache written by transformers' own forward go to transformers' forward unchanged.
 """
 
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import engine_module
-from .adapters.base import MoEAdapter
-from .cpu_attention import _KV_DTYPES, PREFILL_MASK_ELEMENTS, _additive, _engine_prefill
+from .adapters.base import MLAAdapter, MoEAdapter
+from .cpu_attention import _KV_DTYPES, _engine_prefill, mask_plan
 
 # For one query token the decode kernel's unit of work is one (batch row, KV head); MLA has one KV
 # head, so the heads are split into this many groups (or the largest of 4, 2, 1 dividing them), each
@@ -57,12 +57,12 @@ _EXPANDED_MAX_BYTES = 256 << 20
 def weight_read_linears(adapter: MoEAdapter) -> tuple[str, ...]:
     """The attention's Linears whose weights this forward reads as tensors, not as calls: they stay
     torch Linears (dense_engine.py leaves them out)."""
-    return ("kv_b_proj",) if adapter.attention == "mla" else ()
+    return ("kv_b_proj",) if isinstance(adapter, MLAAdapter) else ()
 
 
 def install_mla(model: nn.Module, adapter: MoEAdapter) -> int:
     """Give each MLA attention module of ``model`` the absorbed forward; returns how many."""
-    if adapter.attention != "mla":
+    if not isinstance(adapter, MLAAdapter):
         return 0
     count = 0
     for module in model.modules():
@@ -73,7 +73,7 @@ def install_mla(model: nn.Module, adapter: MoEAdapter) -> int:
     return count
 
 
-def _make_forward(original: Any, adapter: MoEAdapter) -> Any:
+def _make_forward(original: Any, adapter: MLAAdapter) -> Any:
     params = list(inspect.signature(original).parameters)[1:]  # V2 and V3 order their arguments differently
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -121,7 +121,7 @@ def _takes_absorbed(attn: nn.Module, call: dict[str, Any]) -> bool:
 
 def mla_absorbed(
     attn: nn.Module,
-    adapter: MoEAdapter,
+    adapter: MLAAdapter,
     x: torch.Tensor,
     position_embeddings: Any,
     mask: torch.Tensor | None,
@@ -291,16 +291,11 @@ def _engine_plan(
     """``(additive fp32 mask or None, causal)`` for the engine's kernel, or None where it does not take
     the call (then torch computes it)."""
     b, h, t, dk = query.shape
-    length = rows.shape[2]
     if rows.dtype not in _KV_DTYPES or dk % 16 or rank % 16 or rows.stride(-1) != 1:
         return None
     if mask is None:
         return None, True
-    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h) or mask.shape[2:] != (t, length):
-        return None
-    if b * mask.shape[1] * t * length > PREFILL_MASK_ELEMENTS:
-        return None
-    return _additive(mask.expand(b, mask.shape[1], t, length)).contiguous(), False
+    return mask_plan(mask, b, h, t, rows.shape[2])
 
 
 __all__ = ["install_mla", "mla_absorbed", "weight_read_linears"]

@@ -6,9 +6,9 @@ from the block's own router parameters), what runs beside the routed experts (sh
 which activation the experts use, and how checkpoint tensor names differ from the module names.
 Everything else (reading experts, the CPU engine, placement) is architecture-independent.
 
-Adding an architecture is one small file: subclass :class:`MoEAdapter`, fill in the class
-attributes, write ``route`` (and ``shared`` if there are shared experts), and register it in
-``__init__.py``.
+Adding an architecture is one small file: subclass :class:`MoEAdapter` (:class:`MLAAdapter` for
+latent attention), fill in the class attributes, write ``route`` (and ``shared`` if there are
+shared experts), and register it in ``__init__.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ class MoEAdapter(ABC):
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # transformers model_type to build the model with when the checkpoint's is an alias.
     transformers_model_type: ClassVar[str | None] = None
-    # The attention family: "gqa" (grouped-query heads, models/cpu_attention.py) or "mla" (latent
-    # attention, models/mla_attention.py, which then calls ``mla_rotary``).
-    attention: ClassVar[str] = "gqa"
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -110,12 +107,17 @@ class MoEAdapter(ABC):
             return {}
         return None
 
+    def top_k(self) -> int:
+        return int(self.config.num_experts_per_tok)
+
+
+class MLAAdapter(MoEAdapter):
+    """An architecture with multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): its attention runs
+    in models/mla_attention.py, which takes the architecture's rotary embedding from here."""
+
+    @abstractmethod
     def mla_rotary(
         self, attn: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLA only: the rotary embedding of the query's ``[B, H, T, rope]`` and the shared key's
-        ``[B, 1, T, rope]`` rotary parts, exactly as the architecture's attention forward applies it."""
-        raise NotImplementedError(f"{self.name} has no latent attention")
-
-    def top_k(self) -> int:
-        return int(self.config.num_experts_per_tok)
+        """The rotary embedding of the query's ``[B, H, T, rope]`` and the shared key's ``[B, 1, T,
+        rope]`` rotary parts, exactly as the architecture's attention forward applies it."""

@@ -11,14 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import MoEAdapter
+from .base import MLAAdapter
 from .routing import router_logits, softmax_group_limited_topk
 
 
-class DeepseekV2Adapter(MoEAdapter):
+class DeepseekV2Adapter(MLAAdapter):
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe", "DeepseekV2MoE")
-    attention = "mla"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import MoEAdapter
+from .base import MLAAdapter, MoEAdapter
 from .routing import router_logits, sigmoid_grouped_topk
 
 
@@ -33,11 +33,10 @@ def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor
     )
 
 
-class DeepseekV3Adapter(MoEAdapter):
+class DeepseekV3Adapter(MLAAdapter):
     model_types = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
     block_classes = ("DeepseekV3MoE",)
     transformers_model_type = "deepseek_v3"
-    attention = "mla"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_sigmoid_route(self, block, x)
