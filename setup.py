@@ -22,9 +22,13 @@ SOURCES = [
     "decode_step.cpp",
     "numa.cpp",
     "numa_split.cpp",
+    "quantize.cpp",
 ]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"]
 ISA_SOURCES = {
+    # the weight quantizers: AVX2 code whose float operations must round where the Python codecs'
+    # do (csrc/quantize.h), so no multiply-add is fused
+    "quantize_rows.cpp": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": _AVX512,
     "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512bf16", *_AVX512],

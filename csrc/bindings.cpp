@@ -19,6 +19,7 @@
 #include "moe_engine.h"
 #include "norms.h"
 #include "numa.h"
+#include "quantize.h"
 
 namespace py = pybind11;
 using namespace hetmoe;
@@ -307,6 +308,55 @@ PYBIND11_MODULE(_C, m) {
         g_selected->f32_to_bf16(reinterpret_cast<const float*>(src), reinterpret_cast<uint16_t*>(dst), int(n));
       },
       py::arg("src"), py::arg("dst"), py::arg("n"));
+  m.def(
+      "quantize_weights",
+      [](const std::string& kind, const std::vector<uintptr_t>& parts, int64_t n, int64_t k, int64_t row_stride,
+         int dtype, int group, bool asym, int min_zero, bool f16_scales, uintptr_t out0, uintptr_t out1, uintptr_t out2) {
+        // Rows of `parts` (each n rows of k values of dtype, rows row_stride elements apart) into the
+        // stored form of `kind` (quantize.h); outputs laid out part after part and allocated by the
+        // caller (hetmoe/kernels/quantize.py, which checks their sizes). Returns (NaN/Inf count,
+        // first row holding one or -1).
+        if (!cpu_features().can_avx2()) throw py::value_error("quantize_weights: needs AVX2+FMA+F16C");
+        if (parts.empty() || n <= 0 || k <= 0 || row_stride < k || dtype < kSrcF32 || dtype > kSrcF16)
+          throw py::value_error("quantize_weights: bad source shape or dtype");
+        for (uintptr_t p : parts)
+          if (!p) throw py::value_error("quantize_weights: null source");
+        const bool blocks32 = kind == "mxfp4" || kind == "q4_0" || kind == "q8_0";
+        if (kind == "int4" && (group <= 0 || group % 8 || k % group))
+          throw py::value_error("quantize_weights: int4 group must be a positive multiple of 8 dividing K");
+        if (blocks32 && k % 32) throw py::value_error("quantize_weights: K must be a multiple of 32");
+        if (!out0 || ((kind == "int4" || kind == "int8" || kind == "fp8-channel" || kind == "mxfp4") && !out1) ||
+            (kind == "int4" && asym && !out2))
+          throw py::value_error("quantize_weights: missing output");
+        QuantSource src;
+        src.parts.reserve(parts.size());
+        for (uintptr_t p : parts) src.parts.push_back(reinterpret_cast<const void*>(p));
+        src.n = n, src.k = k, src.row_stride = row_stride, src.dtype = dtype;
+        QuantResult r;
+        {
+          py::gil_scoped_release release;
+          if (kind == "int4")
+            r = quantize_int4(src, group, asym, min_zero, f16_scales, reinterpret_cast<uint8_t*>(out0),
+                              reinterpret_cast<uint16_t*>(out1), reinterpret_cast<uint8_t*>(out2));
+          else if (kind == "int8")
+            r = quantize_int8(src, reinterpret_cast<int8_t*>(out0), reinterpret_cast<float*>(out1));
+          else if (kind == "fp8-channel")
+            r = quantize_fp8_channel(src, reinterpret_cast<uint8_t*>(out0), reinterpret_cast<float*>(out1));
+          else if (kind == "mxfp4")
+            r = quantize_mxfp4(src, reinterpret_cast<uint8_t*>(out0), reinterpret_cast<uint8_t*>(out1));
+          else if (kind == "q4_0")
+            r = quantize_q4_0(src, reinterpret_cast<uint8_t*>(out0));
+          else if (kind == "q8_0")
+            r = quantize_q8_0(src, reinterpret_cast<uint8_t*>(out0));
+          else
+            r.nonfinite = -1;
+        }
+        if (r.nonfinite < 0) throw py::value_error("quantize_weights: unknown kind " + kind);
+        return std::make_pair(r.nonfinite, r.first_bad_row);
+      },
+      py::arg("kind"), py::arg("parts"), py::arg("n"), py::arg("k"), py::arg("row_stride"), py::arg("dtype"),
+      py::arg("group") = 0, py::arg("asym") = false, py::arg("min_zero") = 0, py::arg("f16_scales") = false, py::arg("out0") = 0,
+      py::arg("out1") = 0, py::arg("out2") = 0);
   m.def(
       "attn_prefill",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t heads, int64_t kv_heads,

@@ -260,11 +260,11 @@ def test_resume_after_an_interruption_redoes_only_what_is_missing(tiny_cache, tm
     real = convert_module._convert_layer
     calls: list[int] = []
 
-    def interrupted(plan, dst, layer):  # type: ignore[no-untyped-def]
+    def interrupted(plan, dst, layer, *rest):  # type: ignore[no-untyped-def]
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(layer)
-        return real(plan, dst, layer)
+        return real(plan, dst, layer, *rest)
 
     monkeypatch.setattr(convert_module, "_convert_layer", interrupted)
     with pytest.raises(KeyboardInterrupt):

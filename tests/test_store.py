@@ -174,11 +174,11 @@ def test_interrupted_store_names_the_missing_layers(tiny_cache, tmp_path: Path, 
     real = convert_module._convert_layer
     finished: list[int] = []
 
-    def interrupted(plan, dst, layer):  # type: ignore[no-untyped-def]
+    def interrupted(plan, dst, layer, *rest):  # type: ignore[no-untyped-def]
         if finished:
             raise KeyboardInterrupt
         finished.append(layer)
-        return real(plan, dst, layer)
+        return real(plan, dst, layer, *rest)
 
     monkeypatch.setattr(convert_module, "_convert_layer", interrupted)
     dst = tmp_path / "st"

@@ -5,10 +5,11 @@ fp8 block or channel, compressed-tensors int4, GPTQ, mxfp4, GGUF, another store)
 layer's experts to ``method`` and writes the store.
 
 Memory: each layer is read through a freshly opened source, so the previous layer's memory-mapped
-pages leave with the old source instead of piling up in the resident set; ``convert_experts``
-bounds the float32 detour; files are written one tensor at a time. The non-expert tensors are
-copied the same way, the source re-opened after every ``max(one layer's source bytes, 64 MiB)``.
-Peak memory is therefore a small multiple of one layer's experts whatever the model's size.
+pages leave with the old source instead of piling up in the resident set; the engine's quantizer
+(passed in as ``quantize``) reads per-expert full-precision weights straight from those pages, and
+otherwise ``convert_experts`` bounds the float32 detour; files are written one tensor at a time.
+The non-expert tensors are copied the same way, the source re-opened after every ``max(one layer's
+source bytes, 64 MiB)``. Peak memory is therefore a small multiple of one layer's experts whatever the model's size.
 
 Atomicity: every file is written under a temporary name, fsynced and renamed
 (``atomic.atomic_path``); a progress journal (``hetmoe-progress.json``) records each finished file
@@ -44,7 +45,7 @@ from ..formats import Codec, FormatError, QuantizedTensor, get_codec
 from .atomic import atomic_path, write_atomic, write_text_atomic
 from .config import read_config
 from .errors import CheckpointError
-from .experts import CONVERT_CHUNK_BYTES, PROJECTIONS, codec_of, convert_experts, read_layer_experts
+from .experts import CONVERT_CHUNK_BYTES, PROJECTIONS, Quantizer, codec_of, read_layer_experts
 from .layout import MoELayout, fused_suffix, moe_layout
 from .safetensors_file import SafetensorsFile, TensorInfo
 from .source import TensorSource, open_source
@@ -227,8 +228,8 @@ def make_plan(src: str | Path, method: str, group_size: int | None = None, shard
     check_dims(codec, layout)
     keys = source.keys()
     infos = {k: source.info(k) for k in keys}
-    expert_keys = {layer: sorted(_expert_keys(source, layout, layer) & infos.keys()) for layer in layout.moe_layers}
-    used = {k for ks in expert_keys.values() for k in ks}
+    keys_by_layer = {layer: sorted(expert_keys(source, layout, layer) & infos.keys()) for layer in layout.moe_layers}
+    used = {k for ks in keys_by_layer.values() for k in ks}
     rest = sorted(k for k in keys if k not in used)
     pattern = _GGUF_EXPERTISH if layout.style == "gguf" else re.compile("^" + re.escape(layout.prefix) + _EXPERTISH)
     moe = set(layout.moe_layers)
@@ -242,9 +243,9 @@ def make_plan(src: str | Path, method: str, group_size: int | None = None, shard
         config=config,
         layout=layout,
         source_kind=_source_kind(source, layout),
-        expert_scheme=_describe_scheme(layout, infos, expert_keys),
+        expert_scheme=_describe_scheme(layout, infos, keys_by_layer),
         infos=infos,
-        expert_keys=expert_keys,
+        expert_keys=keys_by_layer,
         rest_shards=_shards(rest, infos, shard_bytes),
         unconverted=unconverted,
         copies=copies,
@@ -253,7 +254,7 @@ def make_plan(src: str | Path, method: str, group_size: int | None = None, shard
     )
 
 
-def _expert_keys(source: TensorSource, layout: MoELayout, layer: int) -> set[str]:
+def expert_keys(source: TensorSource, layout: MoELayout, layer: int) -> set[str]:
     """The names ``read_layer_experts`` consumes for ``layer``; anything else stays a non-expert tensor."""
     if isinstance(source, ExpertStore):
         return set(source.layer_keys(layer))
@@ -366,8 +367,12 @@ def convert(
     progress: bool = True,
     shard_bytes: int = REST_SHARD_BYTES,
     log: Callable[[str], None] | None = None,
+    quantize: Quantizer | None = None,
 ) -> ConvertResult:
-    """Convert ``src``'s experts to ``method`` into the store ``dst`` (see the module docstring)."""
+    """Convert ``src``'s experts to ``method`` into the store ``dst`` (see the module docstring).
+
+    ``quantize``: the engine's quantizer (kernels/quantize.py engine_quantize, which the CLI passes):
+    the same bytes as the codecs', on the engine's threads."""
     start = time.perf_counter()
     say = log or (lambda msg: print(msg, file=sys.stderr))
     dst = Path(dst)
@@ -389,7 +394,7 @@ def convert(
     try:
         for layer in layers:
             bar.set_postfix_str(f"layers {n_layers - len(layers) + layers.index(layer)}/{n_layers}", refresh=False)
-            record = _convert_layer(plan, dst, layer)
+            record = _convert_layer(plan, dst, layer, quantize)
             written += record["bytes"]
             done[record["file"]] = record
             _save_journal(dst, plan, done)
@@ -555,10 +560,10 @@ def _write(path: Path, tensors: list[PlannedTensor], metadata: dict[str, str]) -
     return written
 
 
-def _convert_layer(plan: Plan, dst: Path, layer: int) -> dict[str, Any]:
+def _convert_layer(plan: Plan, dst: Path, layer: int, quantize: Quantizer | None = None) -> dict[str, Any]:
     # A fresh source per layer: the previous layer's memory maps are released with the old one.
     source = open_source(plan.src)
-    experts = convert_experts(read_layer_experts(source, plan.layout, layer), plan.method, **plan.params)
+    experts = read_layer_experts(source, plan.layout, layer, plan.method, quantize=quantize, **plan.params)
     for proj, q in experts.projections.items():
         if q.method != plan.method:  # a pass-through would only differ by a bug in the codecs' labels
             raise CheckpointError(plan.src, f"layer {layer} {proj}: converted to {q.method}, not {plan.method}")

@@ -14,6 +14,7 @@ every failure names the file and the tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from ..formats import Codec, FormatError, QuantizedTensor, get_codec
+from ..formats.base import TensorSpec
 from ..formats.gguf import GGUFCodec
 from ..formats.registry import UnknownMethodError
 from .detect import SUFFIXES
@@ -33,6 +35,11 @@ PROJECTIONS = ("gate", "up", "down")
 # Conversion dequantizes this many bytes of float32 at a time at most (one chunk of experts).
 CONVERT_CHUNK_BYTES = 256 << 20
 _GGUF_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# A faster quantizer for some codecs, injected from above (kernels/quantize.py engine_quantize: this
+# layer sits below the engine): (codec, one [N, K] / [E, N, K] weight or a list of [N, K] experts,
+# name) -> the codec's stored tensors, bit-identical to codec.quantize, or None where it has none.
+Quantizer = Callable[[Codec, "torch.Tensor | Sequence[torch.Tensor]", str], "QuantizedTensor | None"]
 
 
 @dataclass
@@ -77,9 +84,18 @@ def codec_of(q: QuantizedTensor) -> Codec:
 
 
 def read_layer_experts(
-    source: TensorSource, layout: MoELayout, layer: int, method: str | None = None, **params: Any
+    source: TensorSource,
+    layout: MoELayout,
+    layer: int,
+    method: str | None = None,
+    /,
+    *,
+    quantize: Quantizer | None = None,
+    **params: Any,  # the codec's (positional-only names above: a codec may take ``layout``)
 ) -> LayerExperts:
-    """Layer ``layer``'s experts, in their stored precision (``method=None``) or converted to ``method``."""
+    """Layer ``layer``'s experts, in their stored precision (``method=None``) or converted to ``method``
+    (with ``quantize`` where it takes the target: per-expert full-precision weights then go straight
+    from the file's pages to the target, never stacked or widened)."""
     if method is None and params:
         raise ValueError(f"codec parameters {sorted(params)} given without a method")
     if layer not in layout.moe_layers:
@@ -94,9 +110,13 @@ def read_layer_experts(
         "gguf": _read_gguf,
         "store": _read_store,
     }
+    if method is not None and quantize is not None and layout.style == "per_expert" and layout.scheme.method == "bf16":
+        direct = _quantize_per_expert(source, layout, layer, method, quantize, params)
+        if direct is not None:
+            return direct
     experts = readers[layout.style](source, layout, layer)
     if method is not None:
-        experts = convert_experts(experts, method, **params)
+        experts = convert_experts(experts, method, quantize=quantize, **params)
     return experts
 
 
@@ -135,6 +155,15 @@ def _missing_error(source: TensorSource, layer: int, missing: list[str], total: 
 
 
 def _read_per_expert(source: TensorSource, layout: MoELayout, layer: int) -> LayerExperts:
+    codec, templates = _check_per_expert(source, layout, layer)
+    shapes = _shapes(layout)
+    out = {p: _stack(source, layout, layer, templates[p], shapes[p], codec) for p in PROJECTIONS}
+    return LayerExperts(layer, out["gate"], out["up"], out["down"])
+
+
+def _check_per_expert(source: TensorSource, layout: MoELayout, layer: int) -> tuple[Codec, dict[str, str]]:
+    """Every expert tensor of the layer present and none beyond the config's count: (the stored codec,
+    the key template of each projection)."""
     codec = layout.scheme.codec()
     shapes = _shapes(layout)
     templates = {"gate": layout.gate, "up": layout.up or layout.gate, "down": layout.down}
@@ -158,8 +187,76 @@ def _read_per_expert(source: TensorSource, layout: MoELayout, layer: int) -> Lay
             f"layer {layer} has at least {count} experts ({beyond} exists) but {Path(layout.config_source).name} "
             f"says {layout.num_experts}",
         )
-    out = {p: _stack(source, layout, layer, templates[p], shapes[p], codec) for p in PROJECTIONS}
+    return codec, templates
+
+
+def _quantize_per_expert(
+    source: TensorSource, layout: MoELayout, layer: int, method: str, quantize: Quantizer, params: dict[str, Any]
+) -> LayerExperts | None:
+    """Per-expert full-precision weights quantized to ``method`` by ``quantize`` straight from their
+    mapped pages (each read once, in its stored dtype); None where ``quantize`` does not take them."""
+    target = get_codec(method, **params)
+    if method == "bf16" or isinstance(target, type(layout.scheme.codec())):
+        return None
+    codec, templates = _check_per_expert(source, layout, layer)
+    shapes = _shapes(layout)
+    out: dict[str, QuantizedTensor] = {}
+    for p in PROJECTIONS:
+        keys = [
+            layout.key(layer, templates[p], codec.tensor_specs(shapes[p])[0].suffix, e)
+            for e in range(layout.num_experts)
+        ]
+        spec = codec.tensor_specs(shapes[p])[0]
+        infos = _check_stack_infos(source, layout, keys, codec, spec)
+        name = _display(layout, layer, templates[p])
+        try:
+            q = quantize(target, [source.get(k) for k in keys], name)
+        except FormatError as exc:
+            expert = getattr(exc, "expert", None)
+            file = infos[expert].file if isinstance(expert, int) and 0 <= expert < len(infos) else infos[0].file
+            raise CheckpointError(file, str(exc)) from exc
+        if q is None:
+            return None
+        if hasattr(source, "release"):  # read once: drop the pages, as _stack does
+            for k in keys:
+                source.release(k)
+        out[p] = q
     return LayerExperts(layer, out["gate"], out["up"], out["down"])
+
+
+def _check_stack_infos(
+    source: TensorSource,
+    layout: MoELayout,
+    keys: list[str],
+    codec: Codec,
+    spec: TensorSpec | None,
+) -> list[TensorInfo]:
+    """One stored tensor of every expert (``keys``): each like expert 0, and where ``spec`` is given
+    (the data tensor, whose shape follows from the config alone) expert 0 as the config and format
+    say; their infos, or the error naming the file and tensor."""
+    infos = [source.info(k) for k in keys]
+    first = infos[0]
+    if spec is not None:
+        if first.shape != spec.shape:
+            raise CheckpointError(
+                first.file,
+                f"tensor {keys[0]}: expected shape {list(spec.shape)} for hidden_size={layout.hidden_size}, "
+                f"expert intermediate size={layout.intermediate_size} ({codec.label()}), found {list(first.shape)}",
+            )
+        full_precision = layout.scheme.method == "bf16"
+        if not (_is_float(first.dtype) if full_precision else first.dtype == spec.dtype):
+            want = "a float dtype" if full_precision else f"dtype {spec.dtype}"
+            raise CheckpointError(
+                first.file, f"tensor {keys[0]}: expected {want} ({codec.label()}), found {first.dtype}"
+            )
+    for key, info in zip(keys[1:], infos[1:], strict=True):
+        if info.shape != first.shape or info.dtype != first.dtype:
+            raise CheckpointError(
+                info.file,
+                f"tensor {key}: dtype {info.dtype} shape {list(info.shape)} differs from expert 0's "
+                f"{first.dtype} {list(first.shape)} ({keys[0]})",
+            )
+    return infos
 
 
 def _stack(
@@ -171,27 +268,7 @@ def _stack(
     tensors: dict[str, torch.Tensor] = {}
     for index, spec in enumerate(specs):
         keys = [layout.key(layer, template, spec.suffix, e) for e in range(n_exp)]
-        infos = [source.info(k) for k in keys]
-        first = infos[0]
-        if index == 0:  # the data tensor: its shape follows from the config alone
-            if first.shape != spec.shape:
-                raise CheckpointError(
-                    first.file,
-                    f"tensor {keys[0]}: expected shape {list(spec.shape)} for hidden_size={layout.hidden_size}, "
-                    f"expert intermediate size={layout.intermediate_size} ({codec.label()}), found {list(first.shape)}",
-                )
-            ok = _is_float(first.dtype) if full_precision else first.dtype == spec.dtype
-            if not ok:
-                want = "a float dtype" if full_precision else f"dtype {spec.dtype}"
-                found = f"found {first.dtype}"
-                raise CheckpointError(first.file, f"tensor {keys[0]}: expected {want} ({codec.label()}), {found}")
-        for key, info in zip(keys[1:], infos[1:], strict=True):
-            if info.shape != first.shape or info.dtype != first.dtype:
-                raise CheckpointError(
-                    info.file,
-                    f"tensor {key}: dtype {info.dtype} shape {list(info.shape)} differs from expert 0's "
-                    f"{first.dtype} {list(first.shape)} ({keys[0]})",
-                )
+        _check_stack_infos(source, layout, keys, codec, spec if index == 0 else None)
         stacked = torch.stack([source.get(k) for k in keys])
         # The stack is a copy: drop the mapped pages it was read from, so memory holds each expert once.
         if hasattr(source, "release"):
@@ -462,11 +539,14 @@ def _read_store(source: TensorSource, layout: MoELayout, layer: int) -> LayerExp
 # --- conversion ---------------------------------------------------------------------------------
 
 
-def convert_experts(experts: LayerExperts, method: str, **params: Any) -> LayerExperts:
+def convert_experts(
+    experts: LayerExperts, method: str, *, quantize: Quantizer | None = None, **params: Any
+) -> LayerExperts:
     """Each projection in ``method`` (parameters not given default to the stored ones of the same method).
 
-    A projection already stored that way is passed through untouched; any other is dequantized and
-    re-quantized in chunks of experts, so the float32 detour is bounded by ``CONVERT_CHUNK_BYTES``.
+    A projection already stored that way is passed through untouched; any other is re-quantized: a
+    bf16 one straight from its tensor by ``quantize`` where it takes the target, else dequantized in
+    chunks of experts, so the float32 detour is bounded by ``CONVERT_CHUNK_BYTES``.
     """
     out: dict[str, QuantizedTensor] = {}
     for proj, q in experts.projections.items():
@@ -476,13 +556,19 @@ def convert_experts(experts: LayerExperts, method: str, **params: Any) -> LayerE
         if type(target) is type(source) and target.params == source.params:
             out[proj] = q
         else:
-            out[proj] = _requantize(q, source, target, f"layer {experts.layer} {proj}")
+            out[proj] = _requantize(q, source, target, f"layer {experts.layer} {proj}", quantize)
     return LayerExperts(
         experts.layer, out["gate"], out["up"], out["down"], experts.gate_bias, experts.up_bias, experts.down_bias
     )
 
 
-def _requantize(q: QuantizedTensor, source: Codec, target: Codec, name: str) -> QuantizedTensor:
+def _requantize(
+    q: QuantizedTensor, source: Codec, target: Codec, name: str, quantize: Quantizer | None = None
+) -> QuantizedTensor:
+    if quantize is not None and q.method == "bf16":
+        direct = quantize(target, q.tensors[".weight"], name)
+        if direct is not None:
+            return direct
     n_exp, n, k = q.shape
     chunk = max(1, CONVERT_CHUNK_BYTES // max(1, n * k * 4))
     parts: list[QuantizedTensor] = []
@@ -490,6 +576,8 @@ def _requantize(q: QuantizedTensor, source: Codec, target: Codec, name: str) -> 
         stop = min(n_exp, start + chunk)
         part = {s: t[start:stop] for s, t in q.tensors.items()}
         sub = QuantizedTensor(q.method, (stop - start, n, k), part, q.params)
-        parts.append(target.quantize(source.dequantize(sub), name))
+        weight = source.dequantize(sub)
+        fast = quantize(target, weight, name) if quantize is not None else None
+        parts.append(fast if fast is not None else target.quantize(weight, name))
     tensors = {s: torch.cat([p.tensors[s] for p in parts]) for s in parts[0].tensors}
     return QuantizedTensor(parts[0].method, tuple(q.shape), tensors, parts[0].params)

@@ -66,6 +66,11 @@ class MultiFileSource:
         if hasattr(file, "release"):
             file.release(name)
 
+    def prefetch(self, name: str) -> None:
+        file = self._file(name)
+        if hasattr(file, "prefetch"):
+            file.prefetch(name)
+
 
 def open_source(path: str | Path) -> TensorSource:
     """A tensor source for a file or model directory; a clear error for anything else."""

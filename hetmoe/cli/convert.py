@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..checkpoint.convert import GROUPED_METHODS, STORE_METHODS, convert, format_verify_table
+from ..kernels.quantize import engine_quantize
 
 EPILOG = """\
 examples:
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=not args.quiet,
         log=None if not args.quiet else (lambda msg: None),
+        quantize=engine_quantize,
     )
     m = result.manifest
     if not args.quiet:

@@ -101,10 +101,15 @@ def check_finite(t: torch.Tensor, name: str) -> None:
     if t.dtype == torch.float8_e4m3fn:
         # e4m3fn has no Inf; its NaNs are the bytes x1111111 (torch.isfinite does not take fp8).
         bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
-    elif t.element_size() == 1:
-        bad = int((~torch.isfinite(t.float())).sum())
+    elif t.numel() == 0:
+        return
     else:
-        bad = int((~torch.isfinite(t)).sum())
+        # One reduction first (min and max carry any NaN or Inf): a full isfinite mask of a layer's
+        # bf16 experts took ~0.2 s per projection; it is only built to count once something is wrong.
+        lo, hi = torch.aminmax(t if t.element_size() > 1 else t.float())
+        if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+            return
+        bad = int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
     if bad:
         raise FormatError(name, "finite values", f"{bad} NaN/Inf entries")
 

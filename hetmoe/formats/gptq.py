@@ -17,7 +17,7 @@ import torch
 
 from .base import Codec, FormatError, QuantizedTensor, TensorSpec, check_divisible, check_weight
 from .int_scales import asymmetric_int4, symmetric_int4
-from .packing import pack_int32, unpack_int32
+from .packing import pack_int32, pack_nibbles, unpack_int32
 from .registry import register
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -78,14 +78,24 @@ class GPTQCodec(Codec):
         else:
             min_zero = 1 if self.checkpoint_format == "gptq" else 0
             codes, scale, zeros = asymmetric_int4(groups, torch.float16, min_zero=min_zero)
+        return self.stored(shape, pack_nibbles(codes.reshape(*lead, n, k)), scale, zeros)
+
+    def stored(
+        self, shape: tuple[int, ...], nibbles: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor
+    ) -> QuantizedTensor:
+        """The checkpoint tensors from codes packed two a byte ``uint8 [..., N, K/2]`` (low nibble = even k),
+        scales ``[..., N, K/g]`` and zero points ``uint8 [..., N, K/g]`` (8 when symmetric): what ``quantize``
+        and the engine's quantizer (kernels/quantize.py) both produce."""
+        *lead, n, k = shape
         stored_zeros = (zeros.to(torch.int16) - 1) & 0xF if self.checkpoint_format == "gptq" else zeros
+        qweight = nibbles.reshape(-1).view(torch.int32).reshape(*lead, n, k // 8)
         tensors = {
-            ".qweight": pack_int32(codes.reshape(*lead, n, k)).transpose(-1, -2).contiguous(),
+            ".qweight": qweight.transpose(-1, -2).contiguous(),
             ".qzeros": pack_int32(stored_zeros.transpose(-1, -2).contiguous()),
             ".scales": scale.to(torch.float16).transpose(-1, -2).contiguous(),
-            ".g_idx": (torch.arange(k, dtype=torch.int32) // g).expand(*lead, k).contiguous(),
+            ".g_idx": (torch.arange(k, dtype=torch.int32) // self._g(k)).expand(*lead, k).contiguous(),
         }
-        return QuantizedTensor(self.method, shape, tensors, self.params)
+        return QuantizedTensor(self.method, tuple(shape), tensors, self.params)
 
     def group_grid(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The grid ``quantize`` picks for each group ``[..., G, g]``: (scale as stored, float32; zero point 0..15).

@@ -68,17 +68,30 @@ class _Int4Base(Codec):
         check_divisible(k, self.group_size, name, "K")
         return weight.reshape(*weight.shape[:-1], k // self.group_size, self.group_size)
 
-    def _pack(self, codes: torch.Tensor, shape: tuple[int, ...], scale: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``codes uint8 [..., N, K]`` (0..15) + scale -> the layout's tensors."""
+    def stored(
+        self, shape: tuple[int, ...], nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+    ) -> QuantizedTensor:
+        """The layout's tensors from codes packed two a byte ``uint8 [..., N, K/2]`` (low nibble = even k),
+        per-group scales ``[..., N, K/g]`` and, for -asym, zero points ``uint8 [..., N, K/g]``: what
+        ``quantize`` and the engine's quantizer (kernels/quantize.py) both produce."""
         if self.layout == "bytes":
-            out = {".weight": pack_nibbles(codes)}
+            tensors = {".weight": nibbles}
         else:
-            out = {
-                ".weight_packed": pack_int32(codes),
+            tensors = {
+                ".weight_packed": nibbles.reshape(-1).view(torch.int32).reshape(*shape[:-1], -1),
                 ".weight_shape": torch.tensor(shape[-2:], dtype=torch.int64).expand(*shape[:-2], 2).contiguous(),
             }
-        out[".weight_scale"] = scale.to(torch.bfloat16).contiguous()
-        return out
+        tensors[".weight_scale"] = scale.to(torch.bfloat16).contiguous()
+        if self.asymmetric:
+            assert zero is not None
+            if self.layout == "bytes":
+                tensors[".weight_zero_point"] = zero.contiguous()
+            else:  # packed along N, padded to a multiple of 8 rows
+                padded = torch.nn.functional.pad(zero, (0, 0, 0, -shape[-2] % 8))
+                tensors[".weight_zero_point"] = (
+                    pack_int32(padded.transpose(-1, -2).contiguous()).transpose(-1, -2).contiguous()
+                )
+        return QuantizedTensor(self.method, tuple(shape), tensors, self.params)
 
     def codes(self, q: QuantizedTensor) -> torch.Tensor:
         """The unsigned stored codes ``uint8 [..., N, K]`` (value + 8)."""
@@ -132,9 +145,7 @@ class Int4Codec(_Int4Base):
         groups = self._groups(weight, name)
         signed, scale = symmetric_int4(groups, torch.bfloat16)
         codes = (signed + 8).to(torch.uint8).reshape(weight.shape)
-        return QuantizedTensor(
-            self.method, tuple(weight.shape), self._pack(codes, tuple(weight.shape), scale), self.params
-        )
+        return self.stored(tuple(weight.shape), pack_nibbles(codes), scale)
 
 
 @register
@@ -146,14 +157,4 @@ class Int4AsymCodec(_Int4Base):
     def quantize(self, weight: torch.Tensor, name: str = "weight") -> QuantizedTensor:
         groups = self._groups(weight, name)
         codes, scale, zero = asymmetric_int4(groups, torch.bfloat16)
-        shape = tuple(weight.shape)
-        tensors = self._pack(codes.reshape(shape), shape, scale)
-        if self.layout == "bytes":
-            tensors[".weight_zero_point"] = zero.contiguous()
-        else:
-            n = shape[-2]
-            padded = torch.nn.functional.pad(zero, (0, 0, 0, -n % 8))
-            tensors[".weight_zero_point"] = (
-                pack_int32(padded.transpose(-1, -2).contiguous()).transpose(-1, -2).contiguous()
-            )
-        return QuantizedTensor(self.method, shape, tensors, self.params)
+        return self.stored(tuple(weight.shape), pack_nibbles(codes.reshape(weight.shape)), scale, zero)

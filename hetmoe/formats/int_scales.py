@@ -24,6 +24,26 @@ def round_to_stored(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scale.to(dtype).float()
 
 
+def lane_sum(sq: torch.Tensor) -> torch.Tensor:
+    """``sq [..., g]`` (g a multiple of 8) summed over the last dim in a fixed order, so that the engine's
+    quantizers (csrc/quantize_rows.cpp), which must pick the same candidate, sum exactly as here: lane l
+    of 8 adds elements 8j + l in order of j, then lanes (l, l + 4), then (l, l + 2), then the last two.
+    Every step is an elementwise add, so the result does not depend on how torch vectorises a sum."""
+    chunks = sq.reshape(*sq.shape[:-1], sq.shape[-1] // 8, 8)
+    acc = chunks[..., 0, :]
+    for j in range(1, chunks.shape[-2]):
+        acc = acc + chunks[..., j, :]
+    acc = acc[..., :4] + acc[..., 4:]
+    acc = acc[..., :2] + acc[..., 2:]
+    return acc[..., 0] + acc[..., 1]
+
+
+def squared_error(w: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """Per group of the last dim ``[..., 1]``: the sum of ``(w - w_hat)^2`` in fp32, by ``lane_sum``."""
+    d = w - w_hat
+    return lane_sum(d * d).unsqueeze(-1)
+
+
 def symmetric_int4(groups: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``groups [..., G, g]`` float -> (signed codes in -8..7 ``[..., G, g]``, scale ``[..., G]``)."""
     w = groups.float()
@@ -33,7 +53,7 @@ def symmetric_int4(groups: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torc
     for d in _SYM4_DIVISORS:
         s = round_to_stored(amax / d, scale_dtype)
         q = (w / _safe(s)).round().clamp(-8, 7)
-        err = (w - q * s).square().sum(-1, keepdim=True)
+        err = squared_error(w, q * s)
         if best_scale is None:
             best_scale, best_err = s, err
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import Codec, FormatError, QuantizedTensor, TensorSpec, check_divisible, check_weight
+from .int_scales import squared_error
 from .packing import pack_nibbles, unpack_nibbles
 from .registry import register
 
@@ -27,6 +28,20 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 code (0..15) for each value of ``x`` already divided by its block scale."""
     mag = torch.bucketize(x.abs().clamp(max=6.0), _MIDPOINTS, right=False)
     return (mag + 8 * (x < 0).to(mag.dtype)).to(torch.uint8)
+
+
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(x))`` for finite ``x > 0``, exactly (a library log2 may land a hair off an integer):
+    ``x = f * 2^e`` with ``f`` in [0.5, 1), so it is ``e - 1`` where ``f == 0.5`` and ``e`` elsewhere."""
+    f, e = torch.frexp(x)
+    return torch.where(f == 0.5, e - 1, e).to(torch.int32)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2^e`` as float32 for integer ``e`` in [-127, 127], built exactly (2^-127 is subnormal)."""
+    e = e.to(torch.int32)
+    normal = ((e.clamp(min=-126) + 127) << 23).view(torch.float32)
+    return torch.where(e >= -126, normal, torch.full_like(normal, 2.0**-127))
 
 
 @register
@@ -49,12 +64,12 @@ class MXFP4Codec(Codec):
         amax = w.abs().amax(-1, keepdim=True)
         # The smallest power of two that maps amax into E2M1's range [0, 6], and one below it
         # (which clips the block maximum but halves the step): keep whichever errs less.
-        e_hi = torch.ceil(torch.log2(torch.where(amax > 0, amax / 6.0, torch.ones_like(amax)))).clamp(-127, 127)
+        e_hi = ceil_log2(torch.where(amax > 0, amax / 6.0, torch.ones_like(amax))).clamp(-127, 127)
         best_codes, best_e, best_err = None, None, None
         for e in (e_hi, (e_hi - 1).clamp(min=-127)):
-            scale = torch.exp2(e)
+            scale = pow2(e)
             codes = e2m1_codes(w / scale)
-            err = (w - E2M1_VALUES[codes.long()] * scale).square().sum(-1, keepdim=True)
+            err = squared_error(w, E2M1_VALUES[codes.long()] * scale)
             if best_codes is None:
                 best_codes, best_e, best_err = codes, e, err
             else:

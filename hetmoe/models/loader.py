@@ -18,7 +18,9 @@ import ctypes
 import json
 import math
 import re
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +29,13 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, TensorSource, open_source
 from ..checkpoint.config import read_config
+from ..checkpoint.convert import expert_keys
 from ..checkpoint.experts import LayerExperts, read_layer_experts
 from ..checkpoint.layout import MoELayout, moe_layout
 from ..formats import get_codec
 from ..formats.base import QuantizedTensor
 from ..kernels.dispatch import set_num_threads
+from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
 from ..runtime.hybrid import ExpertBackend, HybridMoE
 from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
@@ -76,6 +80,7 @@ def load_model(
     dense_method: str | None = None,
     dense_group_size: int | None = None,
     check_memory: bool = True,
+    progress: bool | None = None,
 ) -> Any:
     """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
 
@@ -104,7 +109,8 @@ def load_model(
     forward streams its weights through the GEMV kernels, more dequantize panels for the GEMM (None:
     the per-method defaults of runtime/cpu_experts.py and cpu_linear.py). ``check_memory``: before
     reading any weight, the memory planner (models/planner.py) checks that the model fits the RAM and
-    device memory, else PlanError.
+    device memory, else PlanError. ``progress``: a bar over the experts' bytes while they load (layers,
+    GB, GB/s) on stderr; None shows it where stderr is a terminal.
 
     The returned model carries ``model.hetmoe`` (a HybridRuntime): placement, timing, routing
     statistics (``save_routing_stats()``).
@@ -175,13 +181,20 @@ def load_model(
             keep_torch=weight_read_linears(adapter),
             dtype=model_dtype,
         )
+    layer_keys = _layer_keys(source, layout)
+    reader = _ReadAhead(source, [layer_keys[x][0] for x in layout.moe_layers])
+    reader.start(0)  # the first MoE layer comes off the disk while the rest of the model loads
     _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
     dense_notes = dense.finish(model) if dense is not None else []
     _materialize_leftovers(model, dev)
 
     methods = set()
-    for layer in layout.moe_layers:
-        experts = read_layer_experts(source, layout, layer, method, **params)
+    bar = _progress_bar(sum(b for _, b in layer_keys.values()), progress)
+    for index, layer in enumerate(layout.moe_layers):
+        reader.start(index + 1)  # the disk reads the next layer while this one converts and packs
+        experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
+        bar.set_postfix_str(f"layers {index + 1}/{len(layout.moe_layers)}", refresh=False)
+        bar.update(layer_keys[layer][1])
         _release_freed_memory()  # the reader's validation and conversion temporaries
         backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
         methods.add(backend.gate.method)
@@ -190,6 +203,8 @@ def load_model(
             hybrids[layer].enable_replacement(replace_every, replace_margin)
         del experts
         _release_freed_memory()
+    bar.close()
+    reader.close()
 
     model.eval()
     model.requires_grad_(False)
@@ -287,6 +302,50 @@ def _stored_dtype(source: TensorSource) -> torch.dtype:
             if dtype in _FLOAT_DTYPES.values():
                 return dtype  # type: ignore[return-value]
     return torch.bfloat16
+
+
+def _layer_keys(source: TensorSource, layout: MoELayout) -> dict[int, tuple[list[str], int]]:
+    """Each MoE layer's stored expert tensors and their bytes."""
+    present = set(source.keys())
+    out = {}
+    for layer in layout.moe_layers:
+        keys = sorted(expert_keys(source, layout, layer) & present)
+        out[layer] = (keys, sum(source.info(k).nbytes for k in keys))
+    return out
+
+
+class _ReadAhead:
+    """Prefetches a layer's expert tensors into the page cache on a background thread (the source's
+    ``prefetch`` releases the GIL), one layer ahead of the reader; nothing where the source cannot."""
+
+    def __init__(self, source: TensorSource, layers: list[list[str]]) -> None:
+        self.prefetch = getattr(source, "prefetch", None)
+        self.layers = layers
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hetmoe-readahead") if self.prefetch else None
+
+    def start(self, index: int) -> None:
+        if self.pool is not None and index < len(self.layers):
+            self.pool.submit(lambda keys=self.layers[index]: [self.prefetch(k) for k in keys])  # type: ignore[misc]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def _progress_bar(total: int, enabled: bool | None) -> Any:
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if enabled is None else enabled
+    return tqdm(
+        total=total,
+        desc="loading experts",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not show or total == 0,
+        dynamic_ncols=True,
+    )
 
 
 def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:

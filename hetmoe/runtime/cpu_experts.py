@@ -17,6 +17,7 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..kernels.dispatch import engine_module
+from ..kernels.quantize import engine_quantize
 from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
 from .tuning import tuned_gemv_max
 
@@ -36,7 +37,10 @@ def _as_quantized(w: torch.Tensor | QuantizedTensor, method: str, group_size: in
     if not isinstance(w, torch.Tensor):
         raise FormatError(name, "a torch.Tensor [E, N, K] or a QuantizedTensor", type(w).__name__)
     params = {"group_size": group_size} if method in ("int4", "int4-asym", "gptq") else {}
-    return get_codec(method, **params).quantize(w.detach().cpu(), name)
+    codec = get_codec(method, **params)
+    w = w.detach().cpu()
+    fast = engine_quantize(codec, w, name)  # the codec's bytes, on the engine's threads
+    return fast if fast is not None else codec.quantize(w, name)
 
 
 def _bias(b: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from torch import nn
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..formats.gguf import GGML_TYPES
 from ..kernels.dispatch import engine_module
+from ..kernels.quantize import engine_quantize
 from .engine_layout import ENGINE_METHODS, GEMV_ALL_TOKENS, engine_projection, gemv_is_wide
 from .tuning import tuned_gemv_max
 
@@ -59,7 +60,10 @@ def quantize_weight(
 ) -> QuantizedTensor:
     """``weight [N, K]`` (any float dtype) in ``method``'s stored layout."""
     check_method(method)
-    return get_codec(method, **codec_params(method, group_size)).quantize(weight.detach().cpu(), name)
+    codec = get_codec(method, **codec_params(method, group_size))
+    weight = weight.detach().cpu()
+    fast = engine_quantize(codec, weight, name)  # the codec's bytes, on the engine's threads
+    return fast if fast is not None else codec.quantize(weight, name)
 
 
 def _stacked(q: QuantizedTensor) -> QuantizedTensor:

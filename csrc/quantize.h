@@ -1,0 +1,48 @@
+// Weight quantizers in the engine: full-precision rows -> a codec's stored bytes, on the thread pool.
+//
+// Each one reproduces a Python codec of hetmoe/formats bit for bit (the codecs stay the reference;
+// tests/test_engine_quantize.py holds the two equal): the same float32 operations in the same order,
+// no contraction into FMAs (quantize_rows.cpp is compiled with -ffp-contract=off), squared errors
+// summed in float64 in the lane order int_scales.lane_sum defines. The row kernels are AVX2 code
+// (quantize_rows.cpp); callers check cpu_features().can_avx2() first.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "quantize_rows.h"
+
+namespace hetmoe {
+
+enum SourceDtype : int { kSrcF32 = 0, kSrcBF16 = 1, kSrcF16 = 2 };
+
+// The rows to quantize: `parts` base pointers (experts), each `n` rows of `k` values of `dtype`,
+// rows `row_stride` elements apart. Outputs are laid out part after part, row after row.
+struct QuantSource {
+  std::vector<const void*> parts;
+  int64_t n = 0, k = 0, row_stride = 0;
+  int dtype = kSrcBF16;
+};
+
+// Rows holding NaN/Inf get all-zero outputs and are counted; the caller raises the error.
+struct QuantResult {
+  int64_t nonfinite = 0;       // NaN/Inf values seen
+  int64_t first_bad_row = -1;  // global row index (part * n + row) of the first row with one
+};
+
+// int4 / int4-asym / gptq (int_scales.symmetric_int4 / asymmetric_int4): codes two a byte (low
+// nibble = even k, stored code = value + 8 or q), scales [rows, k/group] as bf16 (or fp16, gptq's)
+// bits, zeros uint8 [rows, k/group] (asym only). group: a positive multiple of 8 dividing k.
+QuantResult quantize_int4(const QuantSource& src, int group, bool asym, int min_zero, bool f16_scales,
+                          uint8_t* codes, uint16_t* scales, uint8_t* zeros);
+// int8 (int_scales.symmetric_int8_rows): int8 codes [rows, k], fp32 scale per row.
+QuantResult quantize_int8(const QuantSource& src, int8_t* codes, float* scales);
+// fp8-channel (formats/fp8_channel.py): e4m3fn codes [rows, k], fp32 scale per row.
+QuantResult quantize_fp8_channel(const QuantSource& src, uint8_t* codes, float* scales);
+// mxfp4 (formats/mxfp4.py): E2M1 codes [rows, k/2] low nibble first, e8m0 exponents [rows, k/32].
+QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* scales);
+// GGUF Q4_0 / Q8_0 (formats/gguf/legacy.py encode_q4_0 / encode_q8_0): rows of 18 / 34-byte blocks.
+QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out);
+QuantResult quantize_q8_0(const QuantSource& src, uint8_t* out);
+
+
+}  // namespace hetmoe

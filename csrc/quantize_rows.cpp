@@ -1,0 +1,292 @@
+// The per-row weight quantizers: AVX2 + F16C, compiled with -ffp-contract=off (setup.py) so every
+// float operation rounds where the Python codec's does. Each function is the row form of one codec
+// in hetmoe/formats; the comments name it. Everything lives in an anonymous namespace and uses no
+// std templates, so no inline function compiled with these flags can be shared with baseline code.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "quantize_rows.h"
+
+namespace hetmoe {
+namespace {
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float x;
+  __builtin_memcpy(&x, &u, 4);
+  return x;
+}
+inline bool finite(float x) { return (bits_of(x) & 0x7F800000u) != 0x7F800000u; }
+inline float fmax_(float a, float b) { return a > b ? a : b; }
+inline float fmin_(float a, float b) { return a < b ? a : b; }
+inline float clamp_(float x, float lo, float hi) { return fmin_(fmax_(x, lo), hi); }  // torch.clamp(x, lo, hi)
+inline float rne(float x) { return __builtin_nearbyintf(x); }  // torch.round: half to even
+// x rounded to bf16 (ties to even) as fp32 bits, for finite x: torch's .to(torch.bfloat16)
+inline uint32_t bf16_rounded_bits(float x) {
+  const uint32_t u = bits_of(x);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+inline float bf16_round(float x) { return float_of(bf16_rounded_bits(x)); }
+inline uint16_t f16_bits(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+// A scale as the reader sees it (int_scales.round_to_stored), and its stored bits.
+inline float stored_scale(float x, bool f16) { return f16 ? _cvtsh_ss(f16_bits(x)) : bf16_round(x); }
+inline uint16_t stored_bits(float x, bool f16) { return f16 ? f16_bits(x) : uint16_t(bf16_rounded_bits(x) >> 16); }
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline __m256 vabs(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+inline __m256 vrne(__m256 v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// max |x| over n values (n a multiple of 8); exact in any order.
+inline float amax8(const float* x, int64_t n) {
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, vabs(_mm256_loadu_ps(x + j)));
+  return hmax(m);
+}
+inline float amax_any(const float* x, int64_t n) {
+  const int64_t n8 = n / 8 * 8;
+  float m = n8 ? amax8(x, n8) : 0.0f;
+  for (int64_t j = n8; j < n; ++j) m = fmax_(m, __builtin_fabsf(x[j]));
+  return m;
+}
+
+// The squared error of a group (int_scales.squared_error): each difference squared in fp32 and
+// summed in int_scales.lane_sum's order: lane l (of 8) adds elements 8j + l for j = 0, 1, ...;
+// then (l, l + 4), then (l, l + 2), then the last two. Every step rounds as torch's elementwise
+// ops do (nothing is fused: -ffp-contract=off, and no FMA intrinsic here).
+struct LaneSum {
+  __m256 acc;
+  bool first = true;
+  void add(__m256 d) {
+    const __m256 sq = _mm256_mul_ps(d, d);
+    acc = first ? sq : _mm256_add_ps(acc, sq);
+    first = false;
+  }
+  float total() const {
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));  // (l, l + 4)
+    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                                      // (l, l + 2)
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));                                   // the last two
+  }
+};
+
+// Nibbles of 8 codes (floats holding 0..15), element 2i low and 2i + 1 high, into 4 bytes.
+inline void pack8(__m256 codes, uint8_t* out) {
+  alignas(32) int32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), _mm256_cvttps_epi32(codes));
+  for (int i = 0; i < 4; ++i) out[i] = uint8_t(c[2 * i] | (c[2 * i + 1] << 4));
+}
+
+int load_row(const void* src, int dtype, int64_t k, float* dst) {
+  int64_t j = 0;
+  if (dtype == 1) {  // bf16: the high half of an fp32
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (; j + 8 <= k; j += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j)));
+      _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; j < k; ++j) dst[j] = float_of(uint32_t(s[j]) << 16);
+  } else if (dtype == 2) {  // fp16: exact in fp32
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (; j + 8 <= k; j += 8)
+      _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j))));
+    for (; j < k; ++j) dst[j] = _cvtsh_ss(s[j]);
+  } else {
+    __builtin_memcpy(dst, src, size_t(k) * 4);
+  }
+  int bad = 0;
+  for (int64_t i = 0; i < k; ++i) bad += !finite(dst[i]);
+  return bad;
+}
+
+// ---- int4, int4-asym (formats/int_scales.py symmetric_int4, asymmetric_int4) ----
+
+constexpr float kSym4Divisors[8] = {7.0f, 7.25f, 7.5f, 7.75f, 8.0f, 8.25f, 8.5f, 9.0f};
+
+float sym4_error(const float* x, int64_t g, float s, float safe) {
+  const __m256 vs = _mm256_set1_ps(s), vsafe = _mm256_set1_ps(safe);
+  const __m256 lo = _mm256_set1_ps(-8.0f), hi = _mm256_set1_ps(7.0f);
+  LaneSum acc;
+  for (int64_t j = 0; j < g; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    const __m256 q = _mm256_min_ps(_mm256_max_ps(vrne(_mm256_div_ps(v, vsafe)), lo), hi);
+    acc.add(_mm256_sub_ps(v, _mm256_mul_ps(q, vs)));
+  }
+  return acc.total();
+}
+
+void int4_row(const float* w, int64_t k, int group, bool asym, int min_zero, bool f16, uint8_t* codes,
+              uint16_t* scales, uint8_t* zeros) {
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+    const float* x = w + g0;
+    uint8_t* out = codes + g0 / 2;
+    if (!asym) {
+      // the scale among amax / d for the divisors above (each rounded to bf16) with the least error
+      const float amax = amax8(x, group);
+      float best = 0.0f;
+      float best_err = 0.0f;
+      for (int c = 0; c < 8; ++c) {
+        const float s = stored_scale(amax / kSym4Divisors[c], f16);
+        const float err = sym4_error(x, group, s, s > 0 ? s : 1.0f);
+        if (c == 0 || err < best_err) best = s, best_err = err;
+      }
+      const __m256 vsafe = _mm256_set1_ps(best > 0 ? best : 1.0f);
+      for (int64_t j = 0; j < group; j += 8) {
+        const __m256 q = _mm256_min_ps(_mm256_max_ps(vrne(_mm256_div_ps(_mm256_loadu_ps(x + j), vsafe)),
+                                                     _mm256_set1_ps(-8.0f)),
+                                       _mm256_set1_ps(7.0f));
+        pack8(_mm256_add_ps(q, _mm256_set1_ps(8.0f)), out + j / 2);
+      }
+      scales[gi] = stored_bits(best, f16);
+    } else {
+      // the grid over min(min, 0)..max(max, 0): w = (q - z) * s
+      __m256 mn = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+      for (int64_t j = 0; j < group; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        mn = _mm256_min_ps(mn, v), mx = _mm256_max_ps(mx, v);
+      }
+      const float lo = -hmax(_mm256_sub_ps(_mm256_setzero_ps(), mn)), hi = hmax(mx);  // lo <= 0 <= hi
+      const float s = stored_scale((hi - lo) / 15.0f, f16);
+      const float safe = s > 0 ? s : 1.0f;
+      const float z = clamp_(rne(-lo / safe), float(min_zero), 15.0f);
+      const __m256 vsafe = _mm256_set1_ps(safe), vz = _mm256_set1_ps(z);
+      for (int64_t j = 0; j < group; j += 8) {
+        const __m256 q = _mm256_add_ps(vrne(_mm256_div_ps(_mm256_loadu_ps(x + j), vsafe)), vz);
+        pack8(_mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f)), out + j / 2);
+      }
+      scales[gi] = stored_bits(s, f16);
+      zeros[gi] = uint8_t(z);
+    }
+  }
+}
+
+// ---- int8 (int_scales.symmetric_int8_rows), fp8-channel (formats/fp8_channel.py) ----
+
+void int8_row(const float* w, int64_t k, int8_t* codes, float* scale) {
+  const float s = amax_any(w, k) / 127.0f;
+  const float safe = s > 0 ? s : 1.0f;
+  for (int64_t j = 0; j < k; ++j) codes[j] = int8_t(clamp_(rne(w[j] / safe), -127.0f, 127.0f));
+  *scale = s;
+}
+
+// fp32 -> float8_e4m3fn, round to nearest even, for |x| <= 448 (torch's .to(torch.float8_e4m3fn)).
+inline uint8_t e4m3(float x) {
+  const uint32_t u = bits_of(x);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const float a = __builtin_fabsf(x);
+  if (a < 0.015625f) return uint8_t(sign | uint8_t(rne(a * 512.0f)));  // subnormals: steps of 2^-9 (8 = 2^-6)
+  const uint32_t m = u & 0x7FFFFFFFu;
+  const uint32_t r = (m + 0x7FFFFu + ((m >> 20) & 1u)) >> 20;  // exponent and 3 mantissa bits, rounded
+  return uint8_t(sign | uint8_t(r - (120u << 3)));              // rebias 127 -> 7
+}
+
+void fp8_channel_row(const float* w, int64_t k, uint8_t* codes, float* scale) {
+  const float amax = amax_any(w, k);
+  const float s = amax > 0 ? amax / 448.0f : 1.0f;
+  for (int64_t j = 0; j < k; ++j) codes[j] = e4m3(clamp_(w[j] / s, -448.0f, 448.0f));
+  *scale = s;
+}
+
+// ---- mxfp4 (formats/mxfp4.py) ----
+
+constexpr float kE2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+constexpr float kE2M1Mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+
+// 2^e for e in [-127, 127], exact (2^-127 is subnormal)
+inline float pow2(int e) { return e >= -126 ? float_of(uint32_t(e + 127) << 23) : float_of(0x00400000u); }
+// ceil(log2(x)) for finite x > 0, exact: x = f * 2^e with f in [0.5, 1)
+inline int ceil_log2(float x) {
+  int e;
+  const float f = __builtin_frexpf(x, &e);
+  return f == 0.5f ? e - 1 : e;
+}
+
+// The nearest E2M1 code of v (halfway: the smaller magnitude), sign in bit 3.
+inline int e2m1_code(float v) {
+  const float a = fmin_(__builtin_fabsf(v), 6.0f);
+  int mag = 0;
+  for (int i = 0; i < 7; ++i) mag += kE2M1Mid[i] < a;
+  return mag + (v < 0 ? 8 : 0);
+}
+
+void mxfp4_row(const float* w, int64_t k, uint8_t* blocks, uint8_t* scales) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const float* x = w + 32 * b;
+    const float amax = amax8(x, 32);
+    int e_hi = ceil_log2(amax > 0 ? amax / 6.0f : 1.0f);
+    e_hi = e_hi < -127 ? -127 : (e_hi > 127 ? 127 : e_hi);
+    const int cand[2] = {e_hi, e_hi - 1 < -127 ? -127 : e_hi - 1};
+    int best_e = cand[0];
+    int best_codes[32];
+    float best_err = 0.0f;
+    for (int c = 0; c < 2; ++c) {
+      const float scale = pow2(cand[c]);
+      int codes[32];
+      alignas(32) float diff[32];
+      for (int j = 0; j < 32; ++j) {
+        codes[j] = e2m1_code(x[j] / scale);
+        const float value = (codes[j] & 8) ? -kE2M1[codes[j] & 7] : kE2M1[codes[j] & 7];
+        diff[j] = x[j] - value * scale;
+      }
+      LaneSum acc;
+      for (int j = 0; j < 32; j += 8) acc.add(_mm256_load_ps(diff + j));
+      const float err = acc.total();
+      if (c == 0 || err < best_err) {
+        best_err = err, best_e = cand[c];
+        for (int j = 0; j < 32; ++j) best_codes[j] = codes[j];
+      }
+    }
+    for (int j = 0; j < 16; ++j) blocks[16 * b + j] = uint8_t(best_codes[2 * j] | (best_codes[2 * j + 1] << 4));
+    scales[b] = uint8_t(best_e + 127);
+  }
+}
+
+// ---- GGUF Q4_0, Q8_0 (formats/gguf/legacy.py encode_q4_0, encode_q8_0: ggml's reference quantizers) ----
+
+inline float safe_inverse(float d) { return d == 0 ? 0.0f : 1.0f / d; }
+
+void q4_0_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 32; ++b, out += 18) {
+    const float* x = w + 32 * b;
+    float amax = __builtin_fabsf(x[0]), extreme = x[0];  // the first value of largest magnitude, sign kept
+    for (int j = 1; j < 32; ++j)
+      if (__builtin_fabsf(x[j]) > amax) amax = __builtin_fabsf(x[j]), extreme = x[j];
+    const float d = extreme / -8.0f;
+    const float id = safe_inverse(d);
+    int q[32];
+    for (int j = 0; j < 32; ++j) {
+      const float t = x[j] * id;
+      q[j] = int(clamp_(__builtin_truncf(t + 8.5f), 0.0f, 15.0f));
+    }
+    const uint16_t h = f16_bits(d);
+    out[0] = uint8_t(h), out[1] = uint8_t(h >> 8);
+    for (int j = 0; j < 16; ++j) out[2 + j] = uint8_t(q[j] | (q[j + 16] << 4));
+  }
+}
+
+void q8_0_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 32; ++b, out += 34) {
+    const float* x = w + 32 * b;
+    const float d = amax8(x, 32) / 127.0f;
+    const float id = safe_inverse(d);
+    const uint16_t h = f16_bits(d);
+    out[0] = uint8_t(h), out[1] = uint8_t(h >> 8);
+    for (int j = 0; j < 32; ++j) out[2 + j] = uint8_t(int8_t(__builtin_roundf(x[j] * id)));  // C roundf
+  }
+}
+
+constexpr QuantRowKernels kKernels = {load_row, int4_row, int8_row, fp8_channel_row, mxfp4_row, q4_0_row, q8_0_row};
+
+}  // namespace
+
+const QuantRowKernels* quant_row_kernels() { return &kKernels; }
+
+}  // namespace hetmoe

@@ -1,0 +1,175 @@
+"""Weight quantization in the compiled engine, in a codec's own stored layout.
+
+``engine_quantize(codec, parts, name)`` quantizes full-precision weights (bf16, fp16 or fp32) on
+the engine's thread pool (csrc/quantize.h) into exactly the tensors ``codec.quantize`` returns: the
+codecs in hetmoe/formats stay the reference and tests/test_engine_quantize.py holds the two bit
+for bit equal. ``parts`` is one weight ``[N, K]`` or ``[E, N, K]``, or a list of ``[N, K]`` weights
+(the experts of a layer, each where its file put it: nothing is stacked or widened first). The
+NaN/Inf check rides along with the pass, so a broken weight costs no extra read.
+
+For a codec or source the engine has no quantizer for it returns None and the caller uses the
+codec: int4 (both layouts), int4-asym, gptq (round to nearest), int8, fp8-channel, mxfp4 and GGUF
+Q4_0 / Q8_0 run here; the K-quants and IQ4 types do not yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..formats import Codec, FormatError, QuantizedTensor
+from ..formats.base import check_divisible
+from ..formats.fp8_channel import FP8ChannelCodec
+from ..formats.gguf import GGUFCodec
+from ..formats.gptq import GPTQCodec
+from ..formats.int4 import _Int4Base
+from ..formats.int8 import Int8Codec
+from ..formats.mxfp4 import MXFP4Codec
+from .dispatch import EngineUnavailableError, engine_module
+
+_SOURCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_GGUF_KINDS = {"Q4_0": ("q4_0", 18), "Q8_0": ("q8_0", 34)}
+
+
+def engine_quantizes(codec: Codec) -> bool:
+    """Whether ``engine_quantize`` runs this codec (on this machine)."""
+    if isinstance(codec, GGUFCodec):
+        known = codec.ggml_type.name in _GGUF_KINDS
+    else:
+        known = isinstance(codec, _Int4Base | GPTQCodec | Int8Codec | FP8ChannelCodec | MXFP4Codec)
+    return known and _available()
+
+
+def engine_quantize(
+    codec: Codec, parts: torch.Tensor | Sequence[torch.Tensor], name: str = "weight"
+) -> QuantizedTensor | None:
+    """``parts`` in ``codec``'s stored layout (shape ``[N, K]`` for one 2-D weight, else ``[E, N, K]``), or
+    None where the engine does not quantize this codec or source (then use ``codec.quantize``)."""
+    if not engine_quantizes(codec):
+        return None
+    rows = _rows(parts)
+    if rows is None:
+        return None
+    views, shape = rows
+    n = shape[-2]
+    src = _Source(
+        {
+            "parts": [v.data_ptr() for v in views],
+            "n": n,
+            "k": shape[-1],
+            "row_stride": views[0].stride(0) if n > 1 else shape[-1],
+            "dtype": _SOURCE_DTYPES[views[0].dtype],
+        },
+        shape,
+        name,
+    )
+    if isinstance(codec, _Int4Base | GPTQCodec):
+        return _int4(codec, src)
+    if isinstance(codec, Int8Codec | FP8ChannelCodec):
+        return _per_row(codec, src)
+    if isinstance(codec, MXFP4Codec):
+        return _mxfp4(src)
+    assert isinstance(codec, GGUFCodec)
+    return _gguf(codec, src)
+
+
+class _Source:
+    """One call's source rows (the binding's keyword arguments), logical shape and name."""
+
+    def __init__(self, args: dict[str, Any], shape: tuple[int, ...], name: str) -> None:
+        self.args, self.shape, self.name = args, shape, name
+        self.parts, self.n, self.k = len(args["parts"]), shape[-2], shape[-1]
+
+    def run(self, kind: str, *outputs: torch.Tensor | None, **options: Any) -> None:
+        ptrs = {f"out{i}": t.data_ptr() if t is not None else 0 for i, t in enumerate(outputs)}
+        bad, first_row = engine_module().quantize_weights(kind, **self.args, **options, **ptrs)
+        if bad:  # the codecs' error for such a weight (check_weight's), naming the expert of the first
+            where = f", the first in expert {first_row // self.n}" if self.parts > 1 else ""
+            exc = FormatError(self.name, "finite values", f"{bad} NaN/Inf entries{where}")
+            exc.expert = first_row // self.n if self.parts > 1 else None  # type: ignore[attr-defined]
+            raise exc
+
+    def out(self, *tail: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return torch.empty(self.parts, self.n, *tail, dtype=dtype)
+
+    def logical(self, t: torch.Tensor) -> torch.Tensor:
+        """An output ``[parts, N, ...]`` in the weight's own leading dims."""
+        return t.reshape(*self.shape[:-1], *t.shape[2:])
+
+
+def _int4(codec: _Int4Base | GPTQCodec, src: _Source) -> QuantizedTensor:
+    gptq = isinstance(codec, GPTQCodec)
+    if gptq:
+        codec._check_shape(src.shape, src.name)
+    group = codec._g(src.k) if gptq else codec.group_size
+    check_divisible(src.k, group, src.name, "K")
+    asym = not codec.sym if gptq else codec.asymmetric
+    nibbles, scales = src.out(src.k // 2), src.out(src.k // group, dtype=torch.int16)
+    zeros = src.out(src.k // group) if asym else None
+    min_zero = 1 if gptq and asym and codec.checkpoint_format == "gptq" else 0  # GPTQ v1 stores z - 1
+    src.run("int4", nibbles, scales, zeros, group=group, asym=asym, min_zero=min_zero, f16_scales=gptq)
+    scale = src.logical(scales.view(torch.float16 if gptq else torch.bfloat16))
+    zero = src.logical(zeros) if zeros is not None else None
+    if gptq:
+        symmetric_zero = torch.full(scale.shape, 8, dtype=torch.uint8)  # uint4b8: the zero point is 8
+        return codec.stored(src.shape, src.logical(nibbles), scale, zero if zero is not None else symmetric_zero)
+    return codec.stored(src.shape, src.logical(nibbles), scale, zero)
+
+
+def _per_row(codec: Int8Codec | FP8ChannelCodec, src: _Source) -> QuantizedTensor:
+    int8 = isinstance(codec, Int8Codec)
+    codes, scale = src.out(src.k, dtype=torch.int8 if int8 else torch.uint8), src.out(1, dtype=torch.float32)
+    src.run("int8" if int8 else "fp8-channel", codes, scale)
+    weight = src.logical(codes if int8 else codes.view(torch.float8_e4m3fn))
+    return QuantizedTensor(codec.method, src.shape, {".weight": weight, ".weight_scale": src.logical(scale)})
+
+
+def _mxfp4(src: _Source) -> QuantizedTensor:
+    check_divisible(src.k, 32, src.name, "K")
+    blocks, exps = src.out(src.k // 32, 16), src.out(src.k // 32)
+    src.run("mxfp4", blocks, exps)
+    return QuantizedTensor(MXFP4Codec.method, src.shape, {"_blocks": src.logical(blocks), "_scales": src.logical(exps)})
+
+
+def _gguf(codec: GGUFCodec, src: _Source) -> QuantizedTensor:
+    codec._check_k(src.shape, src.name)
+    kind, block_bytes = _GGUF_KINDS[codec.ggml_type.name]
+    raw = src.out(src.k // 32 * block_bytes)
+    src.run(kind, raw)
+    return QuantizedTensor(codec.label(), src.shape, {".weight": src.logical(raw)}, {"ggml_type": codec.ggml_type.name})
+
+
+def _available() -> bool:
+    try:
+        return bool(engine_module().cpu_features().get("avx2"))
+    except EngineUnavailableError:
+        return False
+
+
+def _rows(parts: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[int, ...]] | None:
+    """The ``[N, K]`` views the engine reads and the logical shape, or None where it cannot read them
+    in place (another dtype or device, strided rows, parts that differ)."""
+    if isinstance(parts, torch.Tensor):
+        if parts.dim() == 2:
+            views, shape = [parts], tuple(parts.shape)
+        elif parts.dim() == 3:
+            views, shape = list(parts.unbind(0)), tuple(parts.shape)
+        else:
+            return None
+    else:
+        views = list(parts)
+        if not views or any(not isinstance(v, torch.Tensor) or v.dim() != 2 for v in views):
+            return None
+        shape = (len(views), *views[0].shape)
+    views = [v.detach() for v in views]
+    first = views[0]
+    if first.dtype not in _SOURCE_DTYPES or first.numel() == 0:
+        return None
+    for v in views:
+        if v.device.type != "cpu" or v.dtype != first.dtype or v.shape != first.shape:
+            return None
+        if v.stride(-1) != 1 or (v.shape[0] > 1 and v.stride(0) != first.stride(0)):
+            return None
+    return views, shape
