@@ -29,6 +29,7 @@ ISA_SOURCES = {
     # the weight quantizers: AVX2 code whose float operations must round where the Python codecs'
     # do (csrc/quantize.h), so no multiply-add is fused
     "quantize_rows.cpp": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
+    "quantize_rows_avx512.cpp": [*_AVX512, "-ffp-contract=off"],
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": _AVX512,
     "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512bf16", *_AVX512],
@@ -61,7 +62,13 @@ if platform.machine().lower() in ("x86_64", "amd64"):
             # headers and the shared kernel bodies: a change to any of them rebuilds the extension
             # (kernels_amx.cpp is also included by kernels_amx_emu.cpp)
             depends=sorted(
-                str(p) for p in [*Path("csrc").glob("*.h"), *Path("csrc").glob("*.inc"), Path("csrc/kernels_amx.cpp")]
+                str(p)
+                for p in [
+                    *Path("csrc").glob("*.h"),
+                    *Path("csrc").glob("*.inc"),
+                    Path("csrc/kernels_amx.cpp"),
+                    Path("csrc/quantize_rows.cpp"),  # also included by quantize_rows_avx512.cpp
+                ]
             ),
             cxx_std=17,
             extra_compile_args=[

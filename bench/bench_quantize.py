@@ -82,7 +82,7 @@ def main() -> None:
 
     files = sorted(args.model.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
-    hetmoe = [sys.executable, "-m", "hetmoe.cli"] if shutil.which("hetmoe") is None else ["hetmoe"]
+    hetmoe = [sys.executable, "-c", "import sys; from hetmoe.cli.main import main; sys.exit(main())"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     lib = str(args.llama_quantize.parent) if args.llama_quantize else ""
     llama_env = {**os.environ, "LD_LIBRARY_PATH": lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")}

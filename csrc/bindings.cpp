@@ -332,6 +332,9 @@ PYBIND11_MODULE(_C, m) {
         src.parts.reserve(parts.size());
         for (uintptr_t p : parts) src.parts.push_back(reinterpret_cast<const void*>(p));
         src.n = n, src.k = k, src.row_stride = row_stride, src.dtype = dtype;
+        // the 512-bit row kernels where the CPU has them, unless the engine runs its AVX2 variant
+        // (HETMOE_ISA=avx2: the tests then run the AVX2 quantizers too)
+        src.avx512 = cpu_features().can_avx512() && !(g_selected && std::string(g_selected->name) == "avx2");
         QuantResult r;
         {
           py::gil_scoped_release release;

@@ -16,13 +16,17 @@ namespace {
 
 constexpr int64_t kRowsPerItem = 16;
 
+const QuantRowKernels* kernels_for(const QuantSource& src) {
+  return src.avx512 ? quant_row_kernels_avx512() : quant_row_kernels();
+}
+
 // Runs row(w, global_row) for every row, w its fp32 values; a row holding NaN/Inf is counted and
 // zero(global_row) clears its outputs instead.
 template <class Row, class Zero>
 QuantResult for_rows(const QuantSource& src, Row row, Zero zero) {
   const int64_t rows = int64_t(src.parts.size()) * src.n;
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   const int64_t elem = src.dtype == kSrcF32 ? 4 : 2;
   std::atomic<int64_t> bad{0};
   std::mutex mu;
@@ -54,7 +58,7 @@ QuantResult for_rows(const QuantSource& src, Row row, Zero zero) {
 QuantResult quantize_int4(const QuantSource& src, int group, bool asym, int min_zero, bool f16_scales,
                           uint8_t* codes, uint16_t* scales, uint8_t* zeros) {
   const int64_t k = src.k, groups = k / group;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   return for_rows(
       src,
       [&](const float* w, int64_t r) {
@@ -69,7 +73,7 @@ QuantResult quantize_int4(const QuantSource& src, int group, bool asym, int min_
 
 QuantResult quantize_int8(const QuantSource& src, int8_t* codes, float* scales) {
   const int64_t k = src.k;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   return for_rows(
       src, [&](const float* w, int64_t r) { kr->int8(w, k, codes + r * k, scales + r); },
       [&](int64_t r) {
@@ -80,7 +84,7 @@ QuantResult quantize_int8(const QuantSource& src, int8_t* codes, float* scales) 
 
 QuantResult quantize_fp8_channel(const QuantSource& src, uint8_t* codes, float* scales) {
   const int64_t k = src.k;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   return for_rows(
       src, [&](const float* w, int64_t r) { kr->fp8_channel(w, k, codes + r * k, scales + r); },
       [&](int64_t r) {
@@ -91,7 +95,7 @@ QuantResult quantize_fp8_channel(const QuantSource& src, uint8_t* codes, float* 
 
 QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* scales) {
   const int64_t k = src.k;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   return for_rows(
       src, [&](const float* w, int64_t r) { kr->mxfp4(w, k, blocks + r * (k / 2), scales + r * (k / 32)); },
       [&](int64_t r) {
@@ -102,7 +106,7 @@ QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* sca
 
 QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out) {
   const int64_t k = src.k, row_bytes = k / 32 * 18;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   return for_rows(
       src, [&](const float* w, int64_t r) { kr->q4_0(w, k, out + r * row_bytes); },
       [&](int64_t r) { std::memset(out + r * row_bytes, 0, size_t(row_bytes)); });
@@ -110,7 +114,7 @@ QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out) {
 
 QuantResult quantize_q8_0(const QuantSource& src, uint8_t* out) {
   const int64_t k = src.k, row_bytes = k / 32 * 34;
-  const QuantRowKernels* kr = quant_row_kernels();
+  const QuantRowKernels* kr = kernels_for(src);
   return for_rows(
       src, [&](const float* w, int64_t r) { kr->q8_0(w, k, out + r * row_bytes); },
       [&](int64_t r) { std::memset(out + r * row_bytes, 0, size_t(row_bytes)); });

@@ -3,8 +3,9 @@
 // Each one reproduces a Python codec of hetmoe/formats bit for bit (the codecs stay the reference;
 // tests/test_engine_quantize.py holds the two equal): the same float32 operations in the same order,
 // no contraction into FMAs (quantize_rows.cpp is compiled with -ffp-contract=off), squared errors
-// summed in float64 in the lane order int_scales.lane_sum defines. The row kernels are AVX2 code
-// (quantize_rows.cpp); callers check cpu_features().can_avx2() first.
+// summed in fp32 in the lane order int_scales.lane_sum defines. The row kernels are AVX2 code
+// (quantize_rows.cpp), or the same with 512-bit symmetric int4 (quantize_rows_avx512.cpp, where
+// QuantSource::avx512 asks for it); callers check cpu_features() first.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -21,6 +22,7 @@ struct QuantSource {
   std::vector<const void*> parts;
   int64_t n = 0, k = 0, row_stride = 0;
   int dtype = kSrcBF16;
+  bool avx512 = false;  // run quant_row_kernels_avx512 (the caller checked the CPU has it)
 };
 
 // Rows holding NaN/Inf get all-zero outputs and are counted; the caller raises the error.

@@ -1,5 +1,7 @@
 // The per-row weight quantizers: AVX2 + F16C, compiled with -ffp-contract=off (setup.py) so every
-// float operation rounds where the Python codec's does. Each function is the row form of one codec
+// float operation rounds where the Python codec's does. quantize_rows_avx512.cpp compiles this file
+// again with HETMOE_QUANT_AVX512, where symmetric int4 takes two groups per 512-bit pass: the same
+// operations lane for lane, so the bytes are the same. Each function is the row form of one codec
 // in hetmoe/formats; the comments name it. Everything lives in an anonymous namespace and uses no
 // std templates, so no inline function compiled with these flags can be shared with baseline code.
 #include <immintrin.h>
@@ -85,6 +87,19 @@ inline void pack8(__m256 codes, uint8_t* out) {
   for (int i = 0; i < 4; ++i) out[i] = uint8_t(c[2 * i] | (c[2 * i + 1] << 4));
 }
 
+// Nibbles of 32 codes (floats holding 0..15) into 16 bytes, byte i = c[2i] | c[2i + 1] << 4: the
+// pairs summed as c[2i] + 16 c[2i + 1] (exact small integers) by horizontal adds, narrowed to bytes
+// and put back in order (the adds and packs work within 128-bit halves).
+inline void pack32(const __m256* c, uint8_t* out) {
+  const __m256 m = _mm256_setr_ps(1, 16, 1, 16, 1, 16, 1, 16);
+  const __m256 h01 = _mm256_hadd_ps(_mm256_mul_ps(c[0], m), _mm256_mul_ps(c[1], m));  // B0 B1 B4 B5 | B2 B3 B6 B7
+  const __m256 h23 = _mm256_hadd_ps(_mm256_mul_ps(c[2], m), _mm256_mul_ps(c[3], m));  // B8 B9 B12 B13 | ...
+  const __m256i w = _mm256_packs_epi32(_mm256_cvttps_epi32(h01), _mm256_cvttps_epi32(h23));
+  const __m256i b = _mm256_packus_epi16(w, w);  // low 8 bytes of each half: B0 B1 B4 B5 B8 B9 B12 B13 | B2 B3 ...
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi16(lo, hi));
+}
+
 int load_row(const void* src, int dtype, int64_t k, float* dst) {
   int64_t j = 0;
   if (dtype == 1) {  // bf16: the high half of an fp32
@@ -102,8 +117,15 @@ int load_row(const void* src, int dtype, int64_t k, float* dst) {
   } else {
     __builtin_memcpy(dst, src, size_t(k) * 4);
   }
+  // NaN/Inf: the exponent all ones, counted 8 at a time
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
   int bad = 0;
-  for (int64_t i = 0; i < k; ++i) bad += !finite(dst[i]);
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256i e = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dst + i)), exponent);
+    bad += __builtin_popcount(unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, exponent)))));
+  }
+  for (; i < k; ++i) bad += !finite(dst[i]);
   return bad;
 }
 
@@ -111,40 +133,128 @@ int load_row(const void* src, int dtype, int64_t k, float* dst) {
 
 constexpr float kSym4Divisors[8] = {7.0f, 7.25f, 7.5f, 7.75f, 8.0f, 8.25f, 8.5f, 9.0f};
 
-float sym4_error(const float* x, int64_t g, float s, float safe) {
-  const __m256 vs = _mm256_set1_ps(s), vsafe = _mm256_set1_ps(safe);
-  const __m256 lo = _mm256_set1_ps(-8.0f), hi = _mm256_set1_ps(7.0f);
-  LaneSum acc;
-  for (int64_t j = 0; j < g; j += 8) {
-    const __m256 v = _mm256_loadu_ps(x + j);
-    const __m256 q = _mm256_min_ps(_mm256_max_ps(vrne(_mm256_div_ps(v, vsafe)), lo), hi);
-    acc.add(_mm256_sub_ps(v, _mm256_mul_ps(q, vs)));
+// The 8 candidates' scales as stored, one per lane: stored(amax / d) for the divisors above.
+inline __m256 sym4_scales(float amax, bool f16) {
+  const __m256 raw = _mm256_div_ps(_mm256_set1_ps(amax), _mm256_loadu_ps(kSym4Divisors));
+  if (f16) return _mm256_cvtph_ps(_mm256_cvtps_ph(raw, _MM_FROUND_TO_NEAREST_INT));
+  const __m256i u = _mm256_castps_si256(raw);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// All 8 candidates' squared errors of a group at once, candidate c in lane c: each element is
+// broadcast and quantized against the 8 scales. The sum per candidate keeps LaneSum's order (the
+// partial sums acc[l] hold elements 8j + l), so lane c equals what the scalar definition gives.
+#ifdef HETMOE_QUANT_AVX512
+// Two groups at once: group a's 8 candidates in lanes 0-7, group b's in lanes 8-15, each lane the
+// operations sym4_scales / sym4_errors do for it.
+inline __m512 halves(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m512 sym4_scales2(float amax_a, float amax_b, bool f16) {
+  const __m256 d = _mm256_loadu_ps(kSym4Divisors);
+  const __m512 raw = _mm512_div_ps(halves(_mm256_set1_ps(amax_a), _mm256_set1_ps(amax_b)), halves(d, d));
+  if (f16) return _mm512_cvtph_ps(_mm512_cvtps_ph(raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m512i u = _mm512_castps_si512(raw);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline __m512 sym4_errors2(const float* a, const float* b, int64_t g, __m512 s, __m512 safe) {
+  const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f);
+  __m512 acc[8];
+  for (int64_t j0 = 0; j0 < g; j0 += 8) {
+    for (int l = 0; l < 8; ++l) {
+      const __m512 v = halves(_mm256_broadcast_ss(a + j0 + l), _mm256_broadcast_ss(b + j0 + l));
+      const __m512 q = _mm512_min_ps(
+          _mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(v, safe), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo),
+          hi);
+      const __m512 d = _mm512_sub_ps(v, _mm512_mul_ps(q, s));
+      const __m512 sq = _mm512_mul_ps(d, d);
+      acc[l] = j0 == 0 ? sq : _mm512_add_ps(acc[l], sq);
+    }
   }
-  return acc.total();
+  const __m512 b0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6]));
+  const __m512 b1 = _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7]));
+  return _mm512_add_ps(b0, b1);
+}
+#endif
+
+inline __m256 sym4_errors(const float* x, int64_t g, __m256 s, __m256 safe) {
+  const __m256 lo = _mm256_set1_ps(-8.0f), hi = _mm256_set1_ps(7.0f);
+  __m256 acc[8];
+  for (int64_t j0 = 0; j0 < g; j0 += 8) {
+    for (int l = 0; l < 8; ++l) {
+      const __m256 v = _mm256_broadcast_ss(x + j0 + l);
+      const __m256 q = _mm256_min_ps(_mm256_max_ps(vrne(_mm256_div_ps(v, safe)), lo), hi);
+      const __m256 d = _mm256_sub_ps(v, _mm256_mul_ps(q, s));
+      const __m256 sq = _mm256_mul_ps(d, d);
+      acc[l] = j0 == 0 ? sq : _mm256_add_ps(acc[l], sq);
+    }
+  }
+  const __m256 b0 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+  const __m256 b1 = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+  return _mm256_add_ps(b0, b1);
+}
+
+// The codes code(x[j..j+8)) of a group, packed two a byte: 32 at a time, the rest 8 at a time.
+template <class Code>
+inline void write_codes(const float* x, int64_t g, uint8_t* out, Code code) {
+  int64_t j = 0;
+  for (; j + 32 <= g; j += 32) {
+    const __m256 c[4] = {code(_mm256_loadu_ps(x + j)), code(_mm256_loadu_ps(x + j + 8)),
+                         code(_mm256_loadu_ps(x + j + 16)), code(_mm256_loadu_ps(x + j + 24))};
+    pack32(c, out + j / 2);
+  }
+  for (; j < g; j += 8) pack8(code(_mm256_loadu_ps(x + j)), out + j / 2);
+}
+
+// The first of 8 candidates with the least error, as a running `err < best` keeps it.
+inline int least_error(const float* err) {
+  int c = 0;
+  for (int i = 1; i < 8; ++i) c = err[i] < err[c] ? i : c;
+  return c;
 }
 
 void int4_row(const float* w, int64_t k, int group, bool asym, int min_zero, bool f16, uint8_t* codes,
               uint16_t* scales, uint8_t* zeros) {
+  float pending_b = -1.0f;  // (AVX-512) the next group's chosen scale, found with this one's; scales are >= 0
+  (void)pending_b;
   for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
     const float* x = w + g0;
     uint8_t* out = codes + g0 / 2;
     if (!asym) {
       // the scale among amax / d for the divisors above (each rounded to bf16) with the least error
-      const float amax = amax8(x, group);
-      float best = 0.0f;
-      float best_err = 0.0f;
-      for (int c = 0; c < 8; ++c) {
-        const float s = stored_scale(amax / kSym4Divisors[c], f16);
-        const float err = sym4_error(x, group, s, s > 0 ? s : 1.0f);
-        if (c == 0 || err < best_err) best = s, best_err = err;
+      float best;
+#ifdef HETMOE_QUANT_AVX512
+      if (pending_b >= 0) {  // this group's scale came with the previous one's
+        best = pending_b, pending_b = -1.0f;
+      } else if (g0 + group < k) {
+        const __m512 s = sym4_scales2(amax8(x, group), amax8(x + group, group), f16);
+        const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                 _mm512_set1_ps(1.0f), s);
+        alignas(64) float err[16], scale[16];
+        _mm512_store_ps(err, sym4_errors2(x, x + group, group, s, safe));
+        _mm512_store_ps(scale, s);
+        best = scale[least_error(err)], pending_b = scale[8 + least_error(err + 8)];
+      } else
+#endif
+      {
+        const __m256 s = sym4_scales(amax8(x, group), f16);
+        const __m256 safe =
+            _mm256_blendv_ps(_mm256_set1_ps(1.0f), s, _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ));
+        alignas(32) float err[8], scale[8];
+        _mm256_store_ps(err, sym4_errors(x, group, s, safe));
+        _mm256_store_ps(scale, s);
+        best = scale[least_error(err)];
       }
       const __m256 vsafe = _mm256_set1_ps(best > 0 ? best : 1.0f);
-      for (int64_t j = 0; j < group; j += 8) {
-        const __m256 q = _mm256_min_ps(_mm256_max_ps(vrne(_mm256_div_ps(_mm256_loadu_ps(x + j), vsafe)),
-                                                     _mm256_set1_ps(-8.0f)),
+      write_codes(x, group, out, [&](__m256 v) {
+        const __m256 q = _mm256_min_ps(_mm256_max_ps(vrne(_mm256_div_ps(v, vsafe)), _mm256_set1_ps(-8.0f)),
                                        _mm256_set1_ps(7.0f));
-        pack8(_mm256_add_ps(q, _mm256_set1_ps(8.0f)), out + j / 2);
-      }
+        return _mm256_add_ps(q, _mm256_set1_ps(8.0f));
+      });
       scales[gi] = stored_bits(best, f16);
     } else {
       // the grid over min(min, 0)..max(max, 0): w = (q - z) * s
@@ -158,10 +268,10 @@ void int4_row(const float* w, int64_t k, int group, bool asym, int min_zero, boo
       const float safe = s > 0 ? s : 1.0f;
       const float z = clamp_(rne(-lo / safe), float(min_zero), 15.0f);
       const __m256 vsafe = _mm256_set1_ps(safe), vz = _mm256_set1_ps(z);
-      for (int64_t j = 0; j < group; j += 8) {
-        const __m256 q = _mm256_add_ps(vrne(_mm256_div_ps(_mm256_loadu_ps(x + j), vsafe)), vz);
-        pack8(_mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f)), out + j / 2);
-      }
+      write_codes(x, group, out, [&](__m256 v) {
+        const __m256 q = _mm256_add_ps(vrne(_mm256_div_ps(v, vsafe)), vz);
+        return _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
+      });
       scales[gi] = stored_bits(s, f16);
       zeros[gi] = uint8_t(z);
     }
@@ -287,6 +397,10 @@ constexpr QuantRowKernels kKernels = {load_row, int4_row, int8_row, fp8_channel_
 
 }  // namespace
 
+#ifdef HETMOE_QUANT_AVX512
+const QuantRowKernels* quant_row_kernels_avx512() { return &kKernels; }
+#else
 const QuantRowKernels* quant_row_kernels() { return &kKernels; }
+#endif
 
 }  // namespace hetmoe

@@ -20,5 +20,8 @@ struct QuantRowKernels {
 };
 
 const QuantRowKernels* quant_row_kernels();
+// The same kernels, symmetric int4 two groups a pass in 512-bit registers (quantize_rows_avx512.cpp):
+// the same bytes; only where the CPU has the AVX-512 unit's features (cpu_features.h can_avx512).
+const QuantRowKernels* quant_row_kernels_avx512();
 
 }  // namespace hetmoe

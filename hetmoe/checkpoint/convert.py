@@ -33,6 +33,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -391,14 +392,28 @@ def convert(
     written = 0
     bar = _bar(todo, "convert", progress and todo > 0)
     n_layers = len(plan.layout.moe_layers)
+    # A layer's file is written (and hashed, fsynced) on a thread while the next layer converts: the
+    # disk's write-back and the quantizer overlap. A layer counts as done once its write returned.
+    writer = ThreadPoolExecutor(1, thread_name_prefix="hetmoe-store-writer")
+    pending: list[tuple[int, Future[dict[str, Any]]]] = []
+
+    def finish_oldest() -> None:
+        nonlocal written
+        layer, future = pending.pop(0)
+        record = future.result()
+        written += record["bytes"]
+        done[record["file"]] = record
+        _save_journal(dst, plan, done)
+        bar.update(plan.layer_source_bytes(layer))
+
     try:
         for layer in layers:
             bar.set_postfix_str(f"layers {n_layers - len(layers) + layers.index(layer)}/{n_layers}", refresh=False)
-            record = _convert_layer(plan, dst, layer, quantize)
-            written += record["bytes"]
-            done[record["file"]] = record
-            _save_journal(dst, plan, done)
-            bar.update(plan.layer_source_bytes(layer))
+            pending.append((layer, _convert_layer(plan, dst, layer, quantize, writer)))
+            if len(pending) > 1:
+                finish_oldest()
+        while pending:
+            finish_oldest()
         bar.set_postfix_str(f"layers {n_layers}/{n_layers}, non-expert tensors", refresh=False)
         for index in shards:
             record = _write_rest(plan, dst, index)
@@ -407,6 +422,12 @@ def convert(
             _save_journal(dst, plan, done)
             bar.update(plan.shard_source_bytes(index))
     finally:
+        while pending:  # interrupted: a write already under way still lands in the journal
+            try:
+                finish_oldest()
+            except Exception:  # the first error is the one being raised
+                break
+        writer.shutdown(wait=True)
         bar.close()
     report = _verify(plan, dst, done, progress) if verify else None
     manifest = build_manifest(plan, done, report)
@@ -560,7 +581,11 @@ def _write(path: Path, tensors: list[PlannedTensor], metadata: dict[str, str]) -
     return written
 
 
-def _convert_layer(plan: Plan, dst: Path, layer: int, quantize: Quantizer | None = None) -> dict[str, Any]:
+def _convert_layer(
+    plan: Plan, dst: Path, layer: int, quantize: Quantizer | None = None, writer: Executor | None = None
+) -> Future[dict[str, Any]]:
+    """Read and convert one layer here; write its file on ``writer`` (here where None). The future's
+    result is the layer's journal record."""
     # A fresh source per layer: the previous layer's memory maps are released with the old one.
     source = open_source(plan.src)
     experts = read_layer_experts(source, plan.layout, layer, plan.method, quantize=quantize, **plan.params)
@@ -569,16 +594,26 @@ def _convert_layer(plan: Plan, dst: Path, layer: int, quantize: Quantizer | None
             raise CheckpointError(plan.src, f"layer {layer} {proj}: converted to {q.method}, not {plan.method}")
     name = layer_file_name(layer)
     tensors = layer_tensors(experts, plan.layout.layer_prefix(layer))
-    written = _write(dst / name, tensors, layer_metadata(layer, plan.method, plan.params))
-    return {
-        "layer": layer,
-        "file": name,
-        "bytes": written.bytes,
-        "sha256": written.sha256,
-        "source_bytes": plan.layer_source_bytes(layer),
-        "shapes": {p: list(q.shape) for p, q in experts.projections.items()},
-        "biases": sorted(experts.biases),
-    }
+    shapes = {p: list(q.shape) for p, q in experts.projections.items()}
+    biases = sorted(experts.biases)
+
+    def write() -> dict[str, Any]:
+        written = _write(dst / name, tensors, layer_metadata(layer, plan.method, plan.params))
+        return {
+            "layer": layer,
+            "file": name,
+            "bytes": written.bytes,
+            "sha256": written.sha256,
+            "source_bytes": plan.layer_source_bytes(layer),
+            "shapes": shapes,
+            "biases": biases,
+        }
+
+    if writer is not None:
+        return writer.submit(write)
+    future: Future[dict[str, Any]] = Future()
+    future.set_result(write())
+    return future
 
 
 class _Pager:
