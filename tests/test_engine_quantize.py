@@ -213,3 +213,26 @@ def test_convert_with_the_engine_writes_the_same_store(tmp_path: Path, method: s
     assert layers
     for name in layers:
         assert (tmp_path / "torch" / name).read_bytes() == (tmp_path / "engine" / name).read_bytes(), name
+
+
+def test_load_shows_progress_and_reads_ahead(tiny_cache, capsys, monkeypatch) -> None:
+    """load_model(progress=True) draws a bar over the experts' bytes with the layer count, and every
+    MoE layer's expert tensors are prefetched once (the first before the non-expert weights)."""
+    from hetmoe import load_model
+    from hetmoe.checkpoint import safetensors_file
+
+    fetched: list[str] = []
+    real = safetensors_file.SafetensorsFile.prefetch
+
+    def record(self, name: str) -> None:  # type: ignore[no-untyped-def]
+        fetched.append(name)
+        real(self, name)
+
+    monkeypatch.setattr(safetensors_file.SafetensorsFile, "prefetch", record)
+    path = tiny_cache.model("qwen3_moe")
+    model = load_model(path, method="int4", progress=True)
+    err = capsys.readouterr().err
+    layers = sum(type(m).__name__ == "HybridMoE" for m in model.modules())
+    assert "loading experts" in err and f"layers {layers}/{layers}" in err
+    experts = [k for k in open_source(path).keys() if ".mlp.experts." in k]
+    assert sorted(fetched) == sorted(experts)

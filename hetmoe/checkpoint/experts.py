@@ -194,7 +194,8 @@ def _quantize_per_expert(
     source: TensorSource, layout: MoELayout, layer: int, method: str, quantize: Quantizer, params: dict[str, Any]
 ) -> LayerExperts | None:
     """Per-expert full-precision weights quantized to ``method`` by ``quantize`` straight from their
-    mapped pages (each read once, in its stored dtype); None where ``quantize`` does not take them."""
+    mapped pages (each read once, in its stored dtype: fp16 or fp32 experts are not rounded to bf16
+    first, as the stacked path does); None where ``quantize`` does not take them."""
     target = get_codec(method, **params)
     if method == "bf16" or isinstance(target, type(layout.scheme.codec())):
         return None
@@ -202,11 +203,8 @@ def _quantize_per_expert(
     shapes = _shapes(layout)
     out: dict[str, QuantizedTensor] = {}
     for p in PROJECTIONS:
-        keys = [
-            layout.key(layer, templates[p], codec.tensor_specs(shapes[p])[0].suffix, e)
-            for e in range(layout.num_experts)
-        ]
         spec = codec.tensor_specs(shapes[p])[0]
+        keys = [layout.key(layer, templates[p], spec.suffix, e) for e in range(layout.num_experts)]
         infos = _check_stack_infos(source, layout, keys, codec, spec)
         name = _display(layout, layer, templates[p])
         try:

@@ -183,28 +183,30 @@ def load_model(
         )
     layer_keys = _layer_keys(source, layout)
     reader = _ReadAhead(source, [layer_keys[x][0] for x in layout.moe_layers])
-    reader.start(0)  # the first MoE layer comes off the disk while the rest of the model loads
-    _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
-    dense_notes = dense.finish(model) if dense is not None else []
-    _materialize_leftovers(model, dev)
-
-    methods = set()
     bar = _progress_bar(sum(b for _, b in layer_keys.values()), progress)
-    for index, layer in enumerate(layout.moe_layers):
-        reader.start(index + 1)  # the disk reads the next layer while this one converts and packs
-        experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
-        bar.set_postfix_str(f"layers {index + 1}/{len(layout.moe_layers)}", refresh=False)
-        bar.update(layer_keys[layer][1])
-        _release_freed_memory()  # the reader's validation and conversion temporaries
-        backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
-        methods.add(backend.gate.method)
-        hybrids[layer].attach(backend, plan.get(layer, []), experts.biases)
-        if replace_every:
-            hybrids[layer].enable_replacement(replace_every, replace_margin)
-        del experts
-        _release_freed_memory()
-    bar.close()
-    reader.close()
+    try:
+        reader.start(0)  # the first MoE layer comes off the disk while the rest of the model loads
+        _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
+        dense_notes = dense.finish(model) if dense is not None else []
+        _materialize_leftovers(model, dev)
+
+        methods = set()
+        for index, layer in enumerate(layout.moe_layers):
+            reader.start(index + 1)  # the disk reads the next layer while this one converts and packs
+            experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
+            bar.set_postfix_str(f"layers {index + 1}/{len(layout.moe_layers)}", refresh=False)
+            bar.update(layer_keys[layer][1])
+            _release_freed_memory()  # the reader's validation and conversion temporaries
+            backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
+            methods.add(backend.gate.method)
+            hybrids[layer].attach(backend, plan.get(layer, []), experts.biases)
+            if replace_every:
+                hybrids[layer].enable_replacement(replace_every, replace_margin)
+            del experts
+            _release_freed_memory()
+    finally:  # the read-ahead thread and the bar end with the load, failed or not
+        bar.close()
+        reader.close()
 
     model.eval()
     model.requires_grad_(False)
@@ -325,11 +327,16 @@ class _ReadAhead:
 
     def start(self, index: int) -> None:
         if self.pool is not None and index < len(self.layers):
-            self.pool.submit(lambda keys=self.layers[index]: [self.prefetch(k) for k in keys])  # type: ignore[misc]
+            self.pool.submit(self._fetch, self.layers[index])
+
+    def _fetch(self, keys: list[str]) -> None:
+        assert self.prefetch is not None
+        for key in keys:
+            self.prefetch(key)
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
