@@ -236,3 +236,19 @@ def test_load_shows_progress_and_reads_ahead(tiny_cache, capsys, monkeypatch) ->
     assert "loading experts" in err and f"layers {layers}/{layers}" in err
     experts = [k for k in open_source(path).keys() if ".mlp.experts." in k]
     assert sorted(fetched) == sorted(experts)
+
+
+def test_store_load_reads_ahead(tmp_path: Path, monkeypatch) -> None:
+    """A store made by convert prefetches each layer's expert files too (ExpertStore.prefetch)."""
+    from hetmoe.checkpoint import safetensors_file
+    from hetmoe.checkpoint.convert import convert
+    from hetmoe.checkpoint.store import ExpertStore
+
+    d = _per_expert_dir(tmp_path)
+    convert(d, tmp_path / "st", "int4", progress=False, quantize=engine_quantize)
+    store = ExpertStore(tmp_path / "st")
+    fetched: list[str] = []
+    monkeypatch.setattr(safetensors_file.SafetensorsFile, "prefetch", lambda self, name: fetched.append(name))
+    for key in store.keys():
+        store.prefetch(key)
+    assert sorted(fetched) == sorted(store.keys())

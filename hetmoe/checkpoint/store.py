@@ -499,3 +499,7 @@ class ExpertStore:
 
     def get(self, name: str) -> torch.Tensor:
         return self._file(name).get(name)
+
+    def prefetch(self, name: str) -> None:
+        """Start reading the tensor's bytes into the page cache (SafetensorsFile.prefetch)."""
+        self._file(name).prefetch(name)
