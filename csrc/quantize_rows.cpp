@@ -143,9 +143,6 @@ inline __m256 sym4_scales(float amax, bool f16) {
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 
-// All 8 candidates' squared errors of a group at once, candidate c in lane c: each element is
-// broadcast and quantized against the 8 scales. The sum per candidate keeps LaneSum's order (the
-// partial sums acc[l] hold elements 8j + l), so lane c equals what the scalar definition gives.
 #ifdef HETMOE_QUANT_AVX512
 // Two groups at once: group a's 8 candidates in lanes 0-7, group b's in lanes 8-15, each lane the
 // operations sym4_scales / sym4_errors do for it.
@@ -181,6 +178,9 @@ inline __m512 sym4_errors2(const float* a, const float* b, int64_t g, __m512 s, 
 }
 #endif
 
+// All 8 candidates' squared errors of a group at once, candidate c in lane c: each element is
+// broadcast and quantized against the 8 scales. The sum per candidate keeps LaneSum's order (the
+// partial sums acc[l] hold elements 8j + l), so lane c equals what the scalar definition gives.
 inline __m256 sym4_errors(const float* x, int64_t g, __m256 s, __m256 safe) {
   const __m256 lo = _mm256_set1_ps(-8.0f), hi = _mm256_set1_ps(7.0f);
   __m256 acc[8];
