@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 _LOAD = """
-import sys, time, resource
+import sys, time
 from hetmoe import load_model
 t = time.perf_counter()
 load_model(sys.argv[1], method="int4", cpu_threads=int(sys.argv[2]), progress=False)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 
@@ -20,10 +21,17 @@ const QuantRowKernels* kernels_for(const QuantSource& src) {
   return src.avx512 ? quant_row_kernels_avx512() : quant_row_kernels();
 }
 
+// One output of a quantizer: a row's bytes start at p + row * row_bytes.
+struct Output {
+  void* p;
+  int64_t row_bytes;
+};
+
 // Runs row(w, global_row) for every row, w its fp32 values; a row holding NaN/Inf is counted and
-// zero(global_row) clears its outputs instead.
-template <class Row, class Zero>
-QuantResult for_rows(const QuantSource& src, Row row, Zero zero) {
+// its bytes of every output (absent ones: p null) are zeroed instead.
+template <class Row>
+QuantResult for_rows(const QuantSource& src, std::initializer_list<Output> outputs, Row row) {
+  const std::vector<Output> outs(outputs);
   const int64_t rows = int64_t(src.parts.size()) * src.n;
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
   const QuantRowKernels* kr = kernels_for(src);
@@ -42,7 +50,8 @@ QuantResult for_rows(const QuantSource& src, Row row, Zero zero) {
         bad += nonfinite;
         std::lock_guard<std::mutex> lock(mu);
         if (first_bad < 0 || r < first_bad) first_bad = r;
-        zero(r);
+        for (const Output& o : outs)
+          if (o.p) std::memset(static_cast<uint8_t*>(o.p) + r * o.row_bytes, 0, size_t(o.row_bytes));
       } else {
         row(w.data(), r);
       }
@@ -59,65 +68,46 @@ QuantResult quantize_int4(const QuantSource& src, int group, bool asym, int min_
                           uint8_t* codes, uint16_t* scales, uint8_t* zeros) {
   const int64_t k = src.k, groups = k / group;
   const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(
-      src,
-      [&](const float* w, int64_t r) {
-        kr->int4(w, k, group, asym, min_zero, f16_scales, codes + r * (k / 2), scales + r * groups, asym ? zeros + r * groups : nullptr);
-      },
-      [&](int64_t r) {
-        std::memset(codes + r * (k / 2), 0, size_t(k / 2));
-        std::memset(scales + r * groups, 0, size_t(groups) * 2);
-        if (asym) std::memset(zeros + r * groups, 0, size_t(groups));
-      });
+  return for_rows(src, {{codes, k / 2}, {scales, groups * 2}, {asym ? zeros : nullptr, groups}},
+                  [&](const float* w, int64_t r) {
+                    kr->int4(w, k, group, asym, min_zero, f16_scales, codes + r * (k / 2), scales + r * groups,
+                             asym ? zeros + r * groups : nullptr);
+                  });
 }
 
 QuantResult quantize_int8(const QuantSource& src, int8_t* codes, float* scales) {
   const int64_t k = src.k;
   const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(
-      src, [&](const float* w, int64_t r) { kr->int8(w, k, codes + r * k, scales + r); },
-      [&](int64_t r) {
-        std::memset(codes + r * k, 0, size_t(k));
-        scales[r] = 0.0f;
-      });
+  return for_rows(src, {{codes, k}, {scales, 4}},
+                  [&](const float* w, int64_t r) { kr->int8(w, k, codes + r * k, scales + r); });
 }
 
 QuantResult quantize_fp8_channel(const QuantSource& src, uint8_t* codes, float* scales) {
   const int64_t k = src.k;
   const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(
-      src, [&](const float* w, int64_t r) { kr->fp8_channel(w, k, codes + r * k, scales + r); },
-      [&](int64_t r) {
-        std::memset(codes + r * k, 0, size_t(k));
-        scales[r] = 0.0f;
-      });
+  return for_rows(src, {{codes, k}, {scales, 4}},
+                  [&](const float* w, int64_t r) { kr->fp8_channel(w, k, codes + r * k, scales + r); });
 }
 
 QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* scales) {
   const int64_t k = src.k;
   const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(
-      src, [&](const float* w, int64_t r) { kr->mxfp4(w, k, blocks + r * (k / 2), scales + r * (k / 32)); },
-      [&](int64_t r) {
-        std::memset(blocks + r * (k / 2), 0, size_t(k / 2));
-        std::memset(scales + r * (k / 32), 0, size_t(k / 32));
-      });
+  return for_rows(src, {{blocks, k / 2}, {scales, k / 32}}, [&](const float* w, int64_t r) {
+    kr->mxfp4(w, k, blocks + r * (k / 2), scales + r * (k / 32));
+  });
 }
 
+// GGUF rows: k / 32 blocks of `block_bytes` (Q4_0: 18, Q8_0: 34).
 QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out) {
   const int64_t k = src.k, row_bytes = k / 32 * 18;
   const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(
-      src, [&](const float* w, int64_t r) { kr->q4_0(w, k, out + r * row_bytes); },
-      [&](int64_t r) { std::memset(out + r * row_bytes, 0, size_t(row_bytes)); });
+  return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { kr->q4_0(w, k, out + r * row_bytes); });
 }
 
 QuantResult quantize_q8_0(const QuantSource& src, uint8_t* out) {
   const int64_t k = src.k, row_bytes = k / 32 * 34;
   const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(
-      src, [&](const float* w, int64_t r) { kr->q8_0(w, k, out + r * row_bytes); },
-      [&](int64_t r) { std::memset(out + r * row_bytes, 0, size_t(row_bytes)); });
+  return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { kr->q8_0(w, k, out + r * row_bytes); });
 }
 
 }  // namespace hetmoe

@@ -14,6 +14,7 @@ Q4_0 / Q8_0 run here; the K-quants and IQ4 types do not yet.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -141,6 +142,7 @@ def _gguf(codec: GGUFCodec, src: _Source) -> QuantizedTensor:
     return QuantizedTensor(codec.label(), src.shape, {".weight": src.logical(raw)}, {"ggml_type": codec.ggml_type.name})
 
 
+@functools.cache
 def _available() -> bool:
     try:
         return bool(engine_module().cpu_features().get("avx2"))
