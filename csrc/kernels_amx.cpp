@@ -179,6 +179,12 @@ inline void tile_ksteps(const uint16_t* a_hi, const uint16_t* a_lo, int64_t a_st
                         bool two_rows, bool two_tok) {
   for (int s = 0; s < ns; ++s) {
     const int64_t k0 = 32 * s, bs = int64_t(b_step0 + s) * 512;
+    // B tiles come from L2 (a token tile's K of activations is 64 KiB at K 2048) and tile registers
+    // are not renamed: the next step's loads wait for this step's products, so fetch them into L1 now
+    for (int l = 0; l < 512; l += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(x_hi + b0 + bs + 512 + l), _MM_HINT_T0);
+      if (two_tok) _mm_prefetch(reinterpret_cast<const char*>(x_hi + b1 + bs + 512 + l), _MM_HINT_T0);
+    }
     TILE_LOAD(4, a_hi + k0, a_stride);
     if (two_rows) TILE_LOAD(5, a_hi + a_row16 + k0, a_stride);
     TILE_LOAD(6, x_hi + b0 + bs, 64);
@@ -219,16 +225,18 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
   tile_release();
 }
 
-// ---- 4-bit rows (int4 sym/asym, gptq repacked, mxfp4) dequantized into tiles chunk by chunk ----
-// Each 32-row block is dequantized kNibbleChunk columns at a time into bf16 hi/lo A rows that stay in
-// L1 (16 KiB for both at 128 columns), and the chunk's tile products run at once; the C tiles carry
-// over the chunks (in the tiles for up to 32 tokens, else through memory). A row's 32 codes of a
-// block are 16 bytes, low nibble = even k, so the even and odd weights come out as two vectors whose
-// lanes pair up as the tile's (k, k + 1) dwords. w = (code - zero) * scale is exact in fp32 with at
-// most 12 significant bits for a bf16 scale (15 for fp16); hi is w truncated to bf16 (8 bits) and
-// lo = w - hi holds the rest exactly, so hi + lo is w and no rounding happens anywhere (integer
-// shifts and masks only). E2M1 values times a power of two are exact bf16: mxfp4 has no lo pass.
-constexpr int kNibbleChunk = 128;
+// ---- 4-bit rows (int4 sym/asym, gptq repacked, GGUF Q4_0, mxfp4): codes into tiles, scales after ----
+// A 4-bit weight is w = scale_g * v with v an integer code value: code - zero (int4, Q4_0), or twice
+// an E2M1 value (mxfp4, its scale halved). |v| <= 15, so v is exact in bf16 and the weights enter the
+// tiles with no lo part: one pass against bf16 activations, two against fp32 ones (v x_hi + v x_lo).
+// Each 32-row block is decoded kNibbleChunk columns at a time into bf16 A rows that stay in L1, and
+// for each span of k sharing a scale (a group, at most the chunk) the tiles compute the span's dot
+// products from zero, which are stored and added to fp32 accumulators times each row's scale. The
+// products v * x_hi are exact in fp32; the sums round in fp32, then once more for the scale.
+// Cost: per span a tile store and a multiply-add per C row (on this path's profile that is as long
+// as the span's tile products at groups of 32), against converting every weight to fp32, splitting it
+// into hi/lo bf16 and a second tile pass (the kernel before: 1.1-1.3x the time at 512 tokens).
+constexpr int kNibbleChunk = 256;
 
 inline float bf16_value(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
@@ -248,117 +256,135 @@ inline float nibble_scale(const uint8_t* s, int g) {
   return f;
 }
 
-// One row's columns [k0, k0 + kc) of GGUF Q4_0 blocks (18 bytes per 32: fp16 d, then 16 bytes whose
-// low nibbles are k 0-15 and high nibbles k 16-31) into bf16 hi/lo in k order. w = d * (code - 8) has
-// at most 15 significant bits (fp16's 11 times 4), so as for the other 4-bit rows hi (w truncated to
-// bf16) + lo (the rest, at most 7 bits) is w exactly. The halves of a block are each 16 consecutive
-// k, so each is narrowed (vpmovdw of the top 16 bits) and stored in place.
-inline void q4_0_chunk_row(const uint8_t* row, int k0, int kc, uint16_t* h, uint16_t* l) {
-  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
-  for (int k = 0; k < kc; k += 32) {
-    const uint8_t* block = row + int64_t((k0 + k) / 32) * 18;
-    uint16_t d16;
-    std::memcpy(&d16, block, 2);
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(d16));
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m128i halves[2] = {_mm_and_si128(packed, _mm_set1_epi8(0x0F)),
-                               _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))};
-    for (int half = 0; half < 2; ++half) {
-      const __m512 w = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(halves[half]), _mm512_set1_epi32(8))), d);
-      const __m512i wb = _mm512_castps_si512(w);
-      const __m512i rest = _mm512_castps_si512(_mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_and_si512(wb, top))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k + 16 * half), _mm512_cvtepi32_epi16(_mm512_srli_epi32(wb, 16)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + k + 16 * half), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rest, 16)));
-    }
-  }
+// The bf16 words a 5-bit index looks up (vpermw): for E2M1, twice the value of code i (i < 16); for
+// the integer codes bf16(i - 16), indexed by code + 16 - zero.
+inline uint16_t bf16_of_small_int(int v) {
+  const float f = float(v);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t(u >> 16);  // exact: |v| < 256
+}
+inline __m512i nibble_table(bool e2m1) {
+  static const int kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = bf16_of_small_int(e2m1 ? (i < 16 ? kE2M1x2[i] : 0) : i - 16);
+  return _mm512_load_si512(t);
 }
 
-// Rows [r0, r0 + rows) of expert e, columns [k0, k0 + kc), into hi/lo [rows][kChunk] (zero rows past R).
+// 32 codes (16 bytes) as the tile row's 32 bf16 values in k order. Interleaved (int4, mxfp4): byte i
+// holds k 2i (low nibble) and 2i + 1 (high), so each byte becomes one dword of two word indices.
+// Halves (Q4_0): low nibbles are k 0-15, high nibbles k 16-31.
+template <bool Halves>
+inline __m512i nibble_row(const uint8_t* codes, __m512i offset, __m512i table) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  __m512i idx;
+  if constexpr (Halves) {
+    const __m256i b = _mm256_cvtepu8_epi16(packed);
+    idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0x0F))),
+                             _mm256_srli_epi16(b, 4), 1);
+  } else {
+    const __m512i b = _mm512_cvtepu8_epi32(packed);
+    idx = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)),
+                          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xF0)), 12));
+  }
+  return _mm512_permutexvar_epi16(_mm512_add_epi16(idx, offset), table);
+}
+
+// Rows [r0, r0 + rows) of expert e, columns [k0, k0 + kc), as bf16 code values into a[rows][kNibbleChunk]
+// (zero rows past R), and each row's scale for each span of `span` k into scale[span index][row].
 template <int Decode, int Kind>
-void dequant_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, int kc, uint16_t* hi, uint16_t* lo) {
-  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // 2 * E2M1
+void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, int kc, int span, uint16_t* a,
+                         float (*scale)[32]) {
+  const __m512i table = nibble_table(Decode == kNibbleE2M1);
+  const int gshift = p.group > 0 ? __builtin_ctz(unsigned(p.group)) : 0;  // groups: powers of two (bindings.cpp)
   for (int r = 0; r < rows; ++r) {
-    uint16_t* h = hi + r * kNibbleChunk;
-    uint16_t* l = lo + r * kNibbleChunk;
+    uint16_t* h = a + r * kNibbleChunk;
     if (r >= R) {
       std::memset(h, 0, kc * 2);
-      if (Decode != kNibbleE2M1) std::memset(l, 0, kc * 2);
+      for (int u = 0; u < kc / span; ++u) scale[u][r] = 0.f;
       continue;
     }
     const int n = r0 + r;
-    if constexpr (Decode == kNibbleQ4_0) {
-      q4_0_chunk_row(p.w + e * p.w_estride + int64_t(n) * p.w_rstride, k0, kc, h, l);
+    if constexpr (Decode == kNibbleQ4_0) {  // 18-byte blocks of 32: fp16 d, then the codes; span 32
+      const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
+      const __m512i eight = _mm512_set1_epi16(16 - 8);
+      for (int k = 0; k < kc; k += 32) {
+        const uint8_t* block = row + int64_t((k0 + k) / 32) * 18;
+        uint16_t d16;
+        std::memcpy(&d16, block, 2);
+        scale[k / 32][r] = _cvtsh_ss(d16);
+        _mm512_storeu_si512(h + k, nibble_row<true>(block + 2, eight, table));
+      }
       continue;
     }
     const uint8_t* w = p.w + e * p.w_estride + int64_t(n) * p.w_rstride + k0 / 2;
     const uint8_t* s = p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
     const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
+    if (k0 + kc < p.k) _mm_prefetch(reinterpret_cast<const char*>(w + kNibbleChunk / 2), _MM_HINT_T0);
+    const int g0 = k0 / p.group, spans_per_group = span / p.group;  // 0 where a group covers the chunk
+    for (int u = 0; u < kc / span; ++u) scale[u][r] = nibble_scale<Kind>(s, g0 + u * spans_per_group);
     for (int k = 0; k < kc; k += 32) {
-      const int g = (k0 + k) / p.group;
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
-      __m128i ev = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-      __m128i od = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-      const float sc = nibble_scale<Kind>(s, g);
-      __m512 we, wo;
-      if constexpr (Decode == kNibbleE2M1) {
-        we = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, ev))), _mm512_set1_ps(sc));
-        wo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, od))), _mm512_set1_ps(sc));
-      } else {
-        const __m512i zero = _mm512_set1_epi32(Decode == kNibbleZeros ? z[g] : 8);
-        we = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(ev), zero)), _mm512_set1_ps(sc));
-        wo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(od), zero)), _mm512_set1_ps(sc));
-      }
-      // hi = w truncated to bf16, lo = the rest (exact: see above); a dword is the pair (k, k + 1).
-      const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
-      const __m512i eb = _mm512_castps_si512(we), ob = _mm512_castps_si512(wo);
-      _mm512_storeu_si512(h + k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(eb, 16), ob, top, 0xF8));  // a | (b & c)
-      if constexpr (Decode != kNibbleE2M1) {
-        const __m512i el = _mm512_castps_si512(_mm512_sub_ps(we, _mm512_castsi512_ps(_mm512_and_si512(eb, top))));
-        const __m512i ol = _mm512_castps_si512(_mm512_sub_ps(wo, _mm512_castsi512_ps(_mm512_and_si512(ob, top))));
-        _mm512_storeu_si512(l + k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(el, 16), ol, top, 0xF8));
-      }
+      const int zero = Decode == kNibbleZeros ? z[g0 + (k >> gshift)] : Decode == kNibbleEight ? 8 : 16;
+      _mm512_storeu_si512(h + k, nibble_row<false>(w + k / 2, _mm512_set1_epi16(int16_t(16 - zero)), table));
     }
   }
+}
+
+// acc[t] += scale[row of C tile t, m] * part[t] for the C tiles in use (tile 2g + b: row group g,
+// token tile b); a row's scale is broadcast once for both token tiles.
+inline void add_scaled(float (*acc)[16][16], const float (*part)[16][16], const float* scale, bool two_rows,
+                       bool two_tok) {
+  for (int g = 0; g < (two_rows ? 2 : 1); ++g)
+    for (int m = 0; m < 16; ++m) {
+      const __m512 sc = _mm512_set1_ps(scale[16 * g + m]);
+      float* a0 = acc[2 * g][m];
+      _mm512_store_ps(a0, _mm512_fmadd_ps(sc, _mm512_load_ps(part[2 * g][m]), _mm512_load_ps(a0)));
+      if (two_tok) {
+        float* a1 = acc[2 * g + 1][m];
+        _mm512_store_ps(a1, _mm512_fmadd_ps(sc, _mm512_load_ps(part[2 * g + 1][m]), _mm512_load_ps(a1)));
+      }
+    }
 }
 
 // c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed by amx_pack.
 template <int Decode, int Kind>
 void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
                    int ldc) {
-  const int K = p.k, S = K / 32, J = (T + 15) / 16, pairs = (J + 1) / 2;
+  const int K = p.k, J = (T + 15) / 16, pairs = (J + 1) / 2;
+  const int64_t S = K / 32;
   const bool two_rows = R > 16;
   const int rows = two_rows ? 32 : 16;
-  alignas(64) uint16_t a_hi[32 * kNibbleChunk], a_lo[32 * kNibbleChunk];
-  thread_local std::vector<float> carried;  // C tiles of every token pair between chunks, past one pair
-  if (pairs > 1 && carried.size() < size_t(pairs) * 4 * 256) carried.resize(size_t(pairs) * 4 * 256);
+  // k sharing one scale within a chunk: Q4_0's and mxfp4's blocks of 32, else the group (the engine's
+  // groups are 32 times a power of two, so a chunk holds whole groups or lies inside one)
+  const int span = Decode == kNibbleQ4_0 || Decode == kNibbleE2M1 ? 32 : std::min(p.group, kNibbleChunk);
+  alignas(64) uint16_t a[32 * kNibbleChunk];
+  alignas(64) float scale[kNibbleChunk / 32][32];
+  alignas(64) float part[4][16][16];
+  thread_local std::vector<float> acc_buf;  // every token pair's accumulators, 64-byte aligned below
+  if (acc_buf.size() < size_t(pairs) * 1024 + 16) acc_buf.resize(size_t(pairs) * 1024 + 16);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(acc_buf.data());
+  auto* acc = reinterpret_cast<float(*)[4][16][16]>((base + 63) & ~uintptr_t(63));
+  std::memset(acc, 0, size_t(pairs) * 1024 * sizeof(float));
   configure_tiles();
   for (int k0 = 0; k0 < K; k0 += kNibbleChunk) {
     const int kc = K - k0 < kNibbleChunk ? K - k0 : kNibbleChunk;
-    dequant_nibble_chunk<Decode, Kind>(p, e, r0, R, rows, k0, kc, a_hi, a_lo);
+    const int sp = span < kc ? span : kc;
+    decode_nibble_chunk<Decode, Kind>(p, e, r0, R, rows, k0, kc, sp, a, scale);
     for (int jp = 0; jp < pairs; ++jp) {
       const int j = 2 * jp;
-      float* cc = pairs > 1 ? carried.data() + size_t(jp) * 4 * 256 : nullptr;
-      if (k0 == 0)
+      const bool two_tok = j + 1 < J;
+      const int64_t b0 = int64_t(j) * S * 512, b1 = b0 + S * 512;
+      for (int u0 = 0; u0 < kc; u0 += sp) {
         zero_c();
-      else if (cc)
-        load_c(cc);
-      const int64_t b0 = int64_t(j) * S * 512, b1 = b0 + int64_t(S) * 512;
-      // mxfp4's weights are exact bf16: no lo pass (a_lo is never written for it)
-      tile_ksteps(a_hi, Decode != kNibbleE2M1 ? a_lo : nullptr, kNibbleChunk * 2, 16 * kNibbleChunk, x_hi, x_lo,
-                  b0, b1, k0 / 32, kc / 32, two_rows, j + 1 < J);
-      if (cc) save_c(cc);
+        tile_ksteps(a + u0, nullptr, kNibbleChunk * 2, 16 * kNibbleChunk, x_hi, x_lo, b0, b1, (k0 + u0) / 32, sp / 32,
+                    two_rows, two_tok);
+        save_c(part[0][0]);
+        add_scaled(acc[jp], part, scale[u0 / sp], two_rows, two_tok);
+      }
     }
   }
-  alignas(64) float out[4][16][16];
-  for (int jp = 0; jp < pairs; ++jp) {
-    if (pairs > 1)
-      std::memcpy(out, carried.data() + size_t(jp) * 4 * 256, sizeof(out));
-    else
-      save_c(out[0][0]);
-    write_c(out, 2 * jp, J, R, T, c, ldc);
-  }
   tile_release();
+  for (int jp = 0; jp < pairs; ++jp) write_c(acc[jp], 2 * jp, J, R, T, c, ldc);
 }
 
 void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,

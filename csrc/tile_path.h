@@ -1,9 +1,10 @@
 // The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
 // MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
-// weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A
-// tiles as stored, and so are int8 codes (on int8 tiles); 4-bit codes are dequantized into tiles by
-// their own kernel; every other method is dequantized to an fp32 panel by its dequant_rows kernel
-// and split into bf16 hi and lo rows (the split keeps ~1e-5 accuracy: kernels_amx.cpp).
+// weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and
+// so are int8 codes (on int8 tiles); 4-bit codes enter tiles as their exact integer values by their
+// own kernel, the scales applied after each group's products; every other method is dequantized to
+// an fp32 panel by its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5
+// accuracy: kernels_amx.cpp).
 //
 // Compiled with the baseline flags only, like engine_common.h.
 #pragma once
@@ -22,7 +23,7 @@ inline bool tile_gemm(const KernelTable* kt) { return kt->amx_gemm != nullptr; }
 
 // How a projection meets the tiles: int8 rows with one fp32 scale a row (K a multiple of 64) on
 // TDPBSSD against int8 digits of the activations (amx_gemm_i8); every other method on bf16 tiles
-// against the activations' bf16 hi/lo (4-bit rows dequantized into tiles by amx_gemm_nibble, bf16 rows
+// against the activations' bf16 hi/lo (4-bit rows decoded into tiles by amx_gemm_nibble, bf16 rows
 // as stored, the rest through dequantized panels).
 inline bool tile_int8(const KernelTable* kt, const Proj& p) {
   return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;

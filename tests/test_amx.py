@@ -130,3 +130,39 @@ def test_auto_never_selects_the_emulator(monkeypatch) -> None:
     monkeypatch.delenv("HETMOE_ISA", raising=False)  # "auto" is HETMOE_ISA where that is set
     assert engine_module().best_isa() != "amx-emu"
     assert select_isa("auto") != "amx-emu"
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize(
+    ("method", "params", "K"),
+    [
+        ("int4", {"group_size": 32}, 640),
+        ("int4", {"group_size": 128, "layout": "compressed-tensors"}, 640),
+        ("int4", {"group_size": 256}, 768),
+        ("int4-asym", {"group_size": 64}, 640),
+        ("gptq", {"group_size": 128, "sym": False}, 640),
+        ("gguf:q4_0", {}, 640),
+        ("mxfp4", {}, 640),
+    ],
+)
+def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: int) -> None:
+    """4-bit rows on the tiles (kernels_amx.cpp, gemm_nibble_t): the code values (code - zero, or twice
+    an E2M1 value) are exact bf16, so per element, relative to sum_k |w x| against float64: the
+    activations' split drops at most 2^-18 of each product; each span of k sharing a scale adds its
+    fp32 chains' at most span / 2 + 2 roundings (span <= 256 <= K / 2), one for the scale and one into
+    the accumulator (K / 32 spans at most), each 2^-24 of a sum no larger than sum_k |w x|. 80 rows
+    (two 32-row blocks and a 16-row one), 70 tokens (three token-tile pairs, the last one single),
+    K not a multiple of the 256-column chunk where the group allows (a 128-column tail)."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(11)
+    codec = get_codec(method, **params)
+    q = codec.quantize(torch.randn(80, K, generator=g) * 0.05)
+    x = torch.randn(70, K, generator=g)
+    lin = CPULinear(q, gemv_max_tokens=0)
+    assert lin.isa == isa
+    got = lin(x).double()
+    w = codec.dequantize(q).double()
+    ref = x.double() @ w.T
+    scale = x.double().abs() @ w.abs().T
+    bound = 2.0**-18 + (K / 2 + 4 + K / 32) * 2.0**-24
+    assert float(((got - ref).abs() / scale).max()) <= bound
