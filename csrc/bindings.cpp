@@ -101,6 +101,27 @@ Proj proj_from(const py::tuple& t) {
   return p;
 }
 
+// A MoE layer's projection against the layer's shape: gate and up map hidden to intermediate, down
+// intermediate to hidden. A mismatch would make the kernels read past a row or write past the output.
+void check_moe_proj(const char* name, const Proj& p, int rows, int cols) {
+  if (p.n != rows || p.k != cols)
+    throw py::value_error(std::string("MoEEngine: ") + name + " is " + std::to_string(p.n) + " x " +
+                          std::to_string(p.k) + ", expected " + std::to_string(rows) + " x " + std::to_string(cols));
+  if (!p.w) throw py::value_error(std::string("MoEEngine: ") + name + " has no weight pointer");
+}
+
+void check_moe_call(const MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk,
+                    uintptr_t weights, uintptr_t y) {
+  if (x_dtype != kF32 && x_dtype != kBF16Data)
+    throw py::value_error("MoEEngine.submit: x_dtype must be 0 (fp32) or 1 (bf16), got " + std::to_string(x_dtype));
+  if (tokens < 0) throw py::value_error("MoEEngine.submit: tokens must be >= 0, got " + std::to_string(tokens));
+  if (topk < 1 || topk > e.experts())
+    throw py::value_error("MoEEngine.submit: topk must be in [1, " + std::to_string(e.experts()) + "], got " +
+                          std::to_string(topk));
+  if (tokens > 0 && (!x || !ids || !weights || !y))
+    throw py::value_error("MoEEngine.submit: x, ids, weights and y must not be null");
+}
+
 void check_linear_call(int x_dtype, int tokens, int y_dtype) {
   if (x_dtype != kF32 && x_dtype != kBF16Data) throw py::value_error("x_dtype must be 0 (fp32) or 1 (bf16)");
   if (y_dtype != kF32 && y_dtype != kBF16Data) throw py::value_error("y_dtype must be 0 (fp32) or 1 (bf16)");
@@ -445,7 +466,7 @@ PYBIND11_MODULE(_C, m) {
         g_int_vector_bits = bits ? bits : default_int_vector_bits();
       },
       py::arg("bits"));
-  m.def("int_vector_bits", [] { return g_int_vector_bits; });
+  m.def("int_vector_bits", [] { return g_int_vector_bits.load(); });
   m.def(
       "set_prefetch_nta",
       [](int nta) {
@@ -454,7 +475,7 @@ PYBIND11_MODULE(_C, m) {
         g_prefetch_nta = nta < 0 ? default_prefetch_nta() : nta;
       },
       py::arg("nta"));
-  m.def("prefetch_nta", [] { return g_prefetch_nta != 0; });
+  m.def("prefetch_nta", [] { return g_prefetch_nta.load() != 0; });
 
   py::class_<MoEEngine>(m, "MoEEngine")
       .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,
@@ -469,7 +490,15 @@ PYBIND11_MODULE(_C, m) {
              act.gate_bias = reinterpret_cast<const float*>(gate_bias);
              act.up_bias = reinterpret_cast<const float*>(up_bias);
              act.down_bias = reinterpret_cast<const float*>(down_bias);
+             if (experts <= 0 || hidden <= 0 || intermediate <= 0)
+               throw py::value_error("MoEEngine: experts, hidden and intermediate must be positive, got " +
+                                     std::to_string(experts) + ", " + std::to_string(hidden) + ", " +
+                                     std::to_string(intermediate));
+             if (gemv_max_tokens < 0) throw py::value_error("MoEEngine: gemv_max_tokens must be >= 0");
              const Proj g = proj_from(gate), u = proj_from(up), d = proj_from(down);
+             check_moe_proj("gate", g, intermediate, hidden);
+             check_moe_proj("up", u, intermediate, hidden);
+             check_moe_proj("down", d, hidden, intermediate);
              py::gil_scoped_release release;  // on a NUMA pool each node's rows are moved to it here
              return new MoEEngine(experts, hidden, intermediate, g, u, d, act, g_selected, gemv_max_tokens);
            }),
@@ -480,6 +509,7 @@ PYBIND11_MODULE(_C, m) {
           "submit",
           [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
              uintptr_t y, uintptr_t skip) {
+            check_moe_call(e, x, x_dtype, tokens, ids, topk, weights, y);
             // An id out of range would index past the weights: refused here, before the job exists
             // (a plain loop: cheaper than the four torch ops the same check costs in Python).
             const int64_t* id = reinterpret_cast<const int64_t*>(ids);
@@ -556,8 +586,17 @@ PYBIND11_MODULE(_C, m) {
           "run",
           [](const DecodeAttentionBlock& b, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,
              int64_t k_head_stride, int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, int64_t position,
-             uintptr_t x_out, uintptr_t h_out, uintptr_t logits) {
-            if (position < 0) throw py::value_error("DecodeAttentionBlock.run: negative position");
+             int64_t capacity, uintptr_t x_out, uintptr_t h_out, uintptr_t logits) {
+            // The new K/V row goes to `position` of buffers holding `capacity` rows a head: past them the
+            // write would land in the next head's rows or outside the buffers.
+            if (position < 0 || position >= capacity)
+              throw py::value_error("DecodeAttentionBlock.run: position " + std::to_string(position) +
+                                    " is outside the cache's " + std::to_string(capacity) + " rows");
+            if (k_row_stride < b.D || v_row_stride < b.D || k_head_stride < capacity * k_row_stride ||
+                v_head_stride < capacity * v_row_stride)
+              throw py::value_error("DecodeAttentionBlock.run: cache strides overlap rows or heads");
+            if (!x || !cos || !sin || !kbuf || !vbuf || !x_out || !h_out || (b.router != nullptr) != (logits != 0))
+              throw py::value_error("DecodeAttentionBlock.run: a null buffer (logits: exactly when a router is set)");
             py::gil_scoped_release release;
             b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
                   reinterpret_cast<const void*>(sin),
@@ -567,7 +606,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"),
           py::arg("k_row_stride"), py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"),
-          py::arg("x_out"), py::arg("h_out"), py::arg("logits"));
+          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"));
 
   py::class_<LinearEngine>(m, "LinearEngine")
       .def(py::init([](const py::tuple& weight, uintptr_t bias, int gemv_max_tokens) {

@@ -5,6 +5,7 @@
 //
 // This header is included by every ISA unit: it holds declarations and plain data only.
 #pragma once
+#include <atomic>
 #include <cstdint>
 
 namespace hetmoe {
@@ -163,10 +164,12 @@ constexpr int64_t amx_packed_elems(int T, int K) { return int64_t((T + 15) / 16)
 constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk + Dv) + int64_t(M) * 66; }
 
 // Vector width of the AVX-512 unit's integer GEMVs (4-bit and natural-order): 512 or 256 (cpu_features.cpp picks it).
-// Read on every call, so a change applies to the next one.
-extern int g_int_vector_bits;
-// Nonzero: the GEMVs prefetch weight rows non-temporally (kernels_common.inc: prefetch_line).
-extern int g_prefetch_nta;
+// Read when an activation row is quantized (its layout records the width, and the GEMVs follow the
+// layout), so a change applies to the next row. Atomic: Python sets it while the pool's workers read it.
+extern std::atomic<int> g_int_vector_bits;
+// Nonzero: the GEMVs prefetch weight rows non-temporally (kernels_common.inc: prefetch_line). Atomic
+// for the same reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
+extern std::atomic<int> g_prefetch_nta;
 
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();

@@ -416,12 +416,21 @@ void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, fl
     for (int n = 0; n < 16; ++n) {
       const int t = 16 * j + n;
       float amax = 0.f;
+      bool bad = false;
       if (t < T) {
         __m512 m = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(a[t] + k)));
+        __mmask16 nan = 0;
+        for (int k = 0; k < K; k += 16) {
+          const __m512 v = _mm512_loadu_ps(a[t] + k);
+          m = _mm512_max_ps(m, _mm512_abs_ps(v));
+          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
         amax = _mm512_reduce_max_ps(m);
+        bad = nan || amax > __FLT_MAX__;  // max_ps may pass over a NaN; an Inf's codes are meaningless
       }
-      d[t] = amax > 0.f ? amax / kDigitCodeMax : 0.f;  // padding tokens (t >= T) get 0 too
+      // padding tokens (t >= T) get 0; a token with a NaN or an Inf a NaN scale, so its outputs are NaN
+      // (its codes are clamped, defined, and then do not matter)
+      d[t] = bad ? __builtin_nanf("") : amax > 0.f ? amax / kDigitCodeMax : 0.f;
       inv[n] = amax > 0.f ? kDigitCodeMax / amax : 0.f;
     }
     for (int s = 0; s < S; ++s) {

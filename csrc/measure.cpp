@@ -116,7 +116,7 @@ double measure_chunked_read(const uint8_t* buf, int64_t bytes, int64_t chunk, in
   for (int r = 0; r < reps; ++r) {
     for (auto& o : offsets) o = int64_t(rng() % uint64_t(slots)) * chunk;
     auto job = std::make_shared<ForJob>(int(pieces), [&](int i) {
-      sink.fetch_add(read_chunk(buf + offsets[i], chunk, g_prefetch_nta != 0), std::memory_order_relaxed);
+      sink.fetch_add(read_chunk(buf + offsets[i], chunk, g_prefetch_nta.load(std::memory_order_relaxed) != 0), std::memory_order_relaxed);
     });
     const auto t0 = Clock::now();
     pool->submit(job);

@@ -232,6 +232,11 @@ CASES: dict[str, tuple[Case, type[ValueError], list[str]]] = {
         CheckpointError,
         ["model.safetensors", "gate_proj.weight", "expected shape [48, 64]", "found [32, 64]"],
     ),
+    "more experts per token than experts": (
+        reads("qwen3", config_fn=set_config(num_experts_per_tok=99)),
+        CheckpointError,
+        ["config.json", "num_experts_per_tok (99) is larger than the expert count (8)"],
+    ),
     "one expert with another dtype": (
         reads("qwen3", replace(f"{L1}.3.up_proj.weight", lambda t: t.to(torch.int8))),
         CheckpointError,
@@ -445,3 +450,50 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(CheckpointError, match="must hold a JSON object"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("{", ["is not valid JSON", "line 1 column 2"]),
+        ("", ["is not valid JSON"]),
+        ("[1, 2]", ["must hold a JSON object, found list"]),
+        ('{"max_new_tokens": "x"}', ["max_new_tokens must be a non-negative integer, found 'x'"]),
+        ('{"eos_token_id": [1, "a"]}', ["eos_token_id must be a token id or a list of token ids"]),
+        ('{"temperature": "hot"}', ["temperature must be a number, found 'hot'"]),
+        ('{"pad_token_id": -1}', ["pad_token_id must be a token id"]),
+    ],
+)
+def test_broken_generation_config_is_one_error(tiny_cache: TinyCache, tmp_path: Path, text: str, words: list) -> None:
+    """A model whose generation_config.json is broken: a CheckpointError naming the file and what is
+    wrong (transformers' own reader raises a multi-line OSError, or a TypeError from a comparison)."""
+    from hetmoe import load_model
+
+    path = tiny_cache.copy(_base(tiny_cache, "qwen3"), tmp_path / "model")
+    (path / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert "generation_config.json" in message and "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+def test_generate_with_a_broken_generation_config_prints_one_line(tmp_path: Path) -> None:
+    """The same through `hetmoe generate` on a copy of the embedded model: exit 1, one line, no traceback."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from hetmoe.models.default import default_model_path
+
+    path = Path(shutil.copytree(default_model_path(), tmp_path / "model"))
+    (path / "generation_config.json").write_text('{"do_sample": true,')
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetmoe.cli.main", "generate", "--max-new-tokens", "2", str(path), "def f():"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "generation_config.json: is not valid JSON" in lines[0], proc.stderr

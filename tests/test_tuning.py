@@ -23,7 +23,7 @@ def small_tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "EXPERTS", 16)
     monkeypatch.setattr(tuning, "HIDDEN", 256)
     monkeypatch.setattr(tuning, "_flush", lambda: None)  # tiny layers: evicting 2x the LLC would dominate
-    monkeypatch.setattr(tuning, "INTERMEDIATE", 128)
+    monkeypatch.setattr(tuning, "INTERMEDIATE", 256)  # whole 256-weight blocks of the K-quants
     monkeypatch.setattr(tuning, "TOKENS_PER_EXPERT", (1, 2, 4))
     monkeypatch.setattr(tuning, "_choices", None)
     bits = int_vector_bits()
@@ -36,7 +36,7 @@ def small_tuner(monkeypatch, tmp_path):
 def test_tune_measures_caches_and_applies(small_tuner) -> None:
     record = tuning.tune()
     assert record["int_vector_bits"] in (256, 512) and record["weight_prefetch"] in ("t0", "nta")
-    assert set(record["gemv_max"]) == set(tuning.TUNED_METHODS)
+    assert set(record["gemv_max"]) == {tuning.FAMILIES[m] for m in tuning.TUNED_METHODS}
     for value in record["gemv_max"].values():
         assert value in (1, 2, 3, GEMV_ALL_TOKENS)  # GEMV at 1 always; then the crossing, or every count
     assert "int4 2 tokens/expert" in record["timings_ms"]
@@ -49,6 +49,7 @@ def test_tune_measures_caches_and_applies(small_tuner) -> None:
     # a family shares its measurement; an explicit switch still wins
     assert tuning.tuned_gemv_max("gptq") == record["gemv_max"]["int4"]
     assert tuning.tuned_gemv_max("fp8-channel") == record["gemv_max"]["fp8"]
+    assert tuning.tuned_gemv_max("gguf:q6_k") == record["gemv_max"]["q4_k"]  # a Q4_K_M file's down
     w = torch.randn(16, 128, 256) * 0.05
     qs = [get_codec("int8").quantize(t) for t in (w, w, w.transpose(1, 2).contiguous())]
     assert default_gemv_max(qs) == record["gemv_max"]["int8"]

@@ -200,6 +200,9 @@ def moe_layout(config: Mapping[str, Any], source: TensorSource) -> MoELayout:
 
     num_experts = _positive(config, EXPERT_COUNT_KEYS, where, "expert count")
     top_k = _positive(config, TOP_K_KEYS, where, "experts per token")
+    if top_k > num_experts:
+        name = next(n for n in TOP_K_KEYS if config.get(n) is not None)
+        raise CheckpointError(where, f"{name} ({top_k}) is larger than the expert count ({num_experts})")
     hidden = _positive(config, ("hidden_size",), where, "hidden size")
     if from_gguf_metadata:  # config_from_gguf names the expert width moe_intermediate_size everywhere
         inter_keys: tuple[str, ...] = ("moe_intermediate_size",)

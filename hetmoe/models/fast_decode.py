@@ -310,8 +310,9 @@ def _router_engine(mlp: nn.Module) -> Any:
 def _attention_block(layer: nn.Module, dtype: torch.dtype) -> tuple[Any, Any, int] | None:
     """``(engine block, router CPULinear or None, KV heads)`` running the layer's attention half for
     one token (decode_step.h), made once and again whenever a module or weight it points to is
-    replaced (the block keeps them, so an identity check suffices); None where the layer's parts do
-    not fit it."""
+    replaced, or a norm weight's storage is (``param.data = ...`` keeps the Parameter but frees the
+    memory the block reads: so the norms' data pointers are compared too); None where the layer's
+    parts do not fit it."""
     children = layer._modules  # not attribute access: see _parts_unhooked
     attn = children["self_attn"]._modules
     parts = (
@@ -324,11 +325,12 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype) -> tuple[Any, Any, in
         attn["o_proj"],
         _router_engine(children["mlp"]),
     )
+    pointers = tuple(None if p is None else p.data_ptr() for p in parts[1:5])
     cached = layer.__dict__.get("_hetmoe_decode_block")
-    if cached is not None and all(map(operator.is_, cached[0], parts)):
-        return cached[1]
+    if cached is not None and cached[1] == pointers and all(map(operator.is_, cached[0], parts)):
+        return cached[2]
     made = _make_attention_block(layer, dtype, parts[-1])
-    layer._hetmoe_decode_block = (parts, made)
+    layer._hetmoe_decode_block = (parts, pointers, made)
     return made
 
 
@@ -400,6 +402,7 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
         vbuf.stride(1),
         vbuf.stride(2),
         row,
+        kbuf.shape[2],
         x_out.data_ptr(),
         h_out.data_ptr(),
         0 if logits is None else logits.data_ptr(),

@@ -363,10 +363,57 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
 
 
 def _load_generation_config(model: nn.Module, directory: Path) -> None:
-    if (directory / "generation_config.json").exists():
-        from transformers import GenerationConfig
+    """The model's generation_config.json, where it has one; a file that is not a JSON object of
+    generation settings is one CheckpointError naming it (transformers raises a multi-line OSError)."""
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return
+    from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, f"must hold a JSON object, found {type(raw).__name__}")
+    for key, value in raw.items():
+        problem = _generation_field_problem(key, value)
+        if problem:
+            raise CheckpointError(path, f"{key} {problem}, found {value!r}")
+    try:
+        model.generation_config = GenerationConfig.from_dict(raw)  # its __init__ validates
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(path, f"is not a valid generation config: {first}") from None
+
+
+_GENERATION_INTS = ("max_new_tokens", "max_length", "min_length", "min_new_tokens", "num_beams", "top_k")
+_GENERATION_FLOATS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "length_penalty")
+_GENERATION_TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _generation_field_problem(key: str, value: Any) -> str | None:
+    """What is wrong with one generation_config.json field that generation compares or indexes with
+    (None: nothing, or not one of those fields); null means unset, as transformers reads it."""
+    if value is None:
+        return None
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if key in _GENERATION_INTS and not (is_int(value) and value >= 0):
+        return "must be a non-negative integer"
+    if key in _GENERATION_FLOATS and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return "must be a number"
+    if key in _GENERATION_FLOATS and not math.isfinite(value):
+        return "must be finite"
+    if key in _GENERATION_TOKENS:
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(is_int(v) and v >= 0 for v in ids):
+            return "must be a token id or a list of token ids"
+    return None
 
 
 # --- the model's structure -----------------------------------------------------------------------

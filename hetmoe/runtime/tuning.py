@@ -49,7 +49,7 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-TUNING_VERSION = 6
+TUNING_VERSION = 7
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -62,8 +62,15 @@ FAMILIES: dict[str, str] = {
     "int4-asym": "int4",
     "gptq": "int4",
     "mxfp4": "int4",
+    # GGUF's 4-bit types run their own GEMVs (natural-order int16 activations), slower a token than
+    # int4's, so their switch differs: Q4_0 at 512 tokens took 235-274 ms with int4's default switch
+    # (32) and 127-154 ms at 12 (AMX Xeon, 2 threads). The K-quants share one measurement.
+    "gguf:q4_0": "q4_0",
+    "gguf:q4_k": "q4_k",
+    "gguf:q5_k": "q4_k",
+    "gguf:q6_k": "q4_k",
 }
-TUNED_METHODS = ("bf16", "fp8", "int8", "int4")
+TUNED_METHODS = ("bf16", "fp8", "int8", "int4", "gguf:q4_0", "gguf:q4_k")
 TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # the first: a decode step's
 # The GEMM path takes over only where it is more than 10% faster: on a shared VM two runs of the same
 # configuration differ by that much (a bf16 decode step here: 4.2 and 5.3 ms in one tuning run), and
@@ -188,8 +195,8 @@ def tune(log=None) -> dict[str, Any]:
                 switch, last = tpe, times
             else:  # GEMV still competitive at the largest count measured: it takes every count
                 switch = GEMV_ALL_TOKENS
-            record["gemv_max"][m] = switch
-            log(f"tuned {m}: GEMV up to {_describe(record['gemv_max'][m])} tokens an expert")
+            record["gemv_max"][FAMILIES[m]] = switch
+            log(f"tuned {m}: GEMV up to {_describe(switch)} tokens an expert")
     finally:
         torch.set_num_threads(torch_threads)
     record["seconds"] = round(time.perf_counter() - started, 1)
