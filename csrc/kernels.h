@@ -149,16 +149,16 @@ struct KernelTable {
   // readable), r < R (<= kAmxRows), over amx_pack_i8's digits.
   void (*amx_gemm_i8)(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,
                       const int8_t* x_lo, const float* x_scale, int T, float* c, int ldc);
-  // c[t * ldc + r] = dot(W_e[r0 + r], x[t]) for r < R (<= kAmxRows) of a 4-bit projection (kInt4, kMXFP4, kQ4_0),
-  // dequantized into tiles chunk by chunk; x: amx_pack's tiles.
+  // c[t * ldc + r] = dot(W_e[r0 + r], x[t]) for r < R (<= kAmxRows) of a 4-bit projection (kInt4, kMXFP4,
+  // kQ4_0, kQ4K), its codes decoded into tiles chunk by chunk; x: amx_pack's tiles; x_sum (kQ4K's min
+  // term, else unused): tile_path.h's amx_block_sums.
   void (*amx_gemm_nibble)(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
-                          float* c, int ldc);
+                          const float* x_sum, float* c, int ldc);
 };
 
 constexpr int kAmxRows = 32;  // weight rows of one amx_gemm call: two A tiles
 // Elements of one amx_pack output: token tiles of 16, each K/32 tiles of 512 bf16.
 constexpr int64_t amx_packed_elems(int T, int K) { return int64_t((T + 15) / 16) * 16 * K; }
-
 // Floats of scratch attn_prefill needs: a block of 64 K and V rows in fp32, M x 64 scores, and a
 // running max and sum per row.
 constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk + Dv) + int64_t(M) * 66; }

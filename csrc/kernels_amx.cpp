@@ -31,8 +31,9 @@ namespace {
 
 #include "amx_tiles.h"
 
-// code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15)
-enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2, kNibbleQ4_0 = 3 };
+// code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
+// superblocks (w = d * sc * code - dmin * m per sub-block of 32)
+enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2, kNibbleQ4_0 = 3, kNibbleQ4K = 4 };
 
 // 16 fp32 -> 16 bf16, round to nearest even (finite inputs).
 inline __m256i to_bf16x16(__m512 v) {
@@ -225,9 +226,11 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
   tile_release();
 }
 
-// ---- 4-bit rows (int4 sym/asym, gptq repacked, GGUF Q4_0, mxfp4): codes into tiles, scales after ----
-// A 4-bit weight is w = scale_g * v with v an integer code value: code - zero (int4, Q4_0), or twice
-// an E2M1 value (mxfp4, its scale halved). |v| <= 15, so v is exact in bf16 and the weights enter the
+// ---- 4-bit rows (int4 sym/asym, gptq repacked, GGUF Q4_0 and Q4_K, mxfp4): codes into tiles, scales after ----
+// A 4-bit weight is w = scale_g * v with v an integer code value: code - zero (int4, Q4_0), twice an
+// E2M1 value (mxfp4, its scale halved), or the code itself (Q4_K, whose w = scale_g * code - min_g
+// has a min term: min_g times the activations' sum over the sub-block, tile_path.h's amx_block_sums,
+// subtracted where the scale is applied). |v| <= 15, so v is exact in bf16 and the weights enter the
 // tiles with no lo part: one pass against bf16 activations, two against fp32 ones (v x_hi + v x_lo).
 // Each 32-row block is decoded kNibbleChunk columns at a time into bf16 A rows that stay in L1, and
 // for each span of k sharing a scale (a group, at most the chunk) the tiles compute the span's dot
@@ -291,10 +294,11 @@ inline __m512i nibble_row(const uint8_t* codes, __m512i offset, __m512i table) {
 }
 
 // Rows [r0, r0 + rows) of expert e, columns [k0, k0 + kc), as bf16 code values into a[rows][kNibbleChunk]
-// (zero rows past R), and each row's scale for each span of `span` k into scale[span index][row].
+// (zero rows past R), and each row's scale for each span of `span` k into scale[span index][row]
+// (Q4_K: its min as well, into minv).
 template <int Decode, int Kind>
 void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, int kc, int span, uint16_t* a,
-                         float (*scale)[32]) {
+                         float (*scale)[32], float (*minv)[32]) {
   const __m512i table = nibble_table(Decode == kNibbleE2M1);
   const int gshift = p.group > 0 ? __builtin_ctz(unsigned(p.group)) : 0;  // groups: powers of two (bindings.cpp)
   for (int r = 0; r < rows; ++r) {
@@ -302,9 +306,38 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
     if (r >= R) {
       std::memset(h, 0, kc * 2);
       for (int u = 0; u < kc / span; ++u) scale[u][r] = 0.f;
+      if constexpr (Decode == kNibbleQ4K)
+        for (int u = 0; u < kc / span; ++u) minv[u][r] = 0.f;
       continue;
     }
     const int n = r0 + r;
+    if constexpr (Decode == kNibbleQ4K) {  // one 144-byte superblock a chunk of 256: d, dmin, 12 bytes of
+      // 6-bit scales and mins, then 128 bytes whose 32-byte part j holds sub-block 2j in its low nibbles
+      // and 2j + 1 in its high ones, each in k order; span 32
+      const uint8_t* sb = p.w + e * p.w_estride + int64_t(n) * p.w_rstride + int64_t(k0 / 256) * 144;
+      if (k0 + kc < p.k) _mm_prefetch(reinterpret_cast<const char*>(sb + 144 + 64), _MM_HINT_T0);
+      uint16_t d16, m16;
+      std::memcpy(&d16, sb, 2);
+      std::memcpy(&m16, sb + 2, 2);
+      const float d = _cvtsh_ss(d16), dmin = _cvtsh_ss(m16);
+      const __m512i offset = _mm512_set1_epi16(16);  // the table holds bf16(i - 16): index code + 16
+      const uint8_t* q = sb + 4;                      // scales and mins, ggml's get_scale_min_k4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i part = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j));
+        const __m256i codes[2] = {_mm256_and_si256(part, _mm256_set1_epi8(0x0F)),
+                                  _mm256_and_si256(_mm256_srli_epi16(part, 4), _mm256_set1_epi8(0x0F))};
+        for (int half = 0; half < 2; ++half) {
+          const int b = 2 * j + half;
+          const int sc = b < 4 ? q[b] & 63 : (q[b + 4] & 0xF) | ((q[b - 4] >> 6) << 4);
+          const int m = b < 4 ? q[b + 4] & 63 : (q[b + 4] >> 4) | ((q[b] >> 6) << 4);
+          scale[b][r] = d * float(sc);
+          minv[b][r] = dmin * float(m);  // exact: 11 significant bits times 6
+          const __m512i idx = _mm512_add_epi16(_mm512_cvtepu8_epi16(codes[half]), offset);
+          _mm512_storeu_si512(h + 32 * b, _mm512_permutexvar_epi16(idx, table));
+        }
+      }
+      continue;
+    }
     if constexpr (Decode == kNibbleQ4_0) {  // 18-byte blocks of 32: fp16 d, then the codes; span 32
       const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
       const __m512i eight = _mm512_set1_epi16(16 - 8);
@@ -331,34 +364,44 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
 }
 
 // acc[t] += scale[row of C tile t, m] * part[t] for the C tiles in use (tile 2g + b: row group g,
-// token tile b); a row's scale is broadcast once for both token tiles.
-inline void add_scaled(float (*acc)[16][16], const float (*part)[16][16], const float* scale, bool two_rows,
-                       bool two_tok) {
+// token tile b); a row's scale is broadcast once for both token tiles. With a min term (minv not
+// null), acc[t] -= minv[row] * the sums of token tile b (sum0, sum1: 16 tokens' sums over the span).
+inline void add_scaled(float (*acc)[16][16], const float (*part)[16][16], const float* scale, const float* minv,
+                       const float* sum0, const float* sum1, bool two_rows, bool two_tok) {
+  const __m512 s0 = minv ? _mm512_loadu_ps(sum0) : _mm512_setzero_ps();
+  const __m512 s1 = minv && two_tok ? _mm512_loadu_ps(sum1) : _mm512_setzero_ps();
   for (int g = 0; g < (two_rows ? 2 : 1); ++g)
     for (int m = 0; m < 16; ++m) {
       const __m512 sc = _mm512_set1_ps(scale[16 * g + m]);
       float* a0 = acc[2 * g][m];
-      _mm512_store_ps(a0, _mm512_fmadd_ps(sc, _mm512_load_ps(part[2 * g][m]), _mm512_load_ps(a0)));
+      __m512 v0 = _mm512_fmadd_ps(sc, _mm512_load_ps(part[2 * g][m]), _mm512_load_ps(a0));
+      if (minv) v0 = _mm512_fnmadd_ps(_mm512_set1_ps(minv[16 * g + m]), s0, v0);
+      _mm512_store_ps(a0, v0);
       if (two_tok) {
         float* a1 = acc[2 * g + 1][m];
-        _mm512_store_ps(a1, _mm512_fmadd_ps(sc, _mm512_load_ps(part[2 * g + 1][m]), _mm512_load_ps(a1)));
+        __m512 v1 = _mm512_fmadd_ps(sc, _mm512_load_ps(part[2 * g + 1][m]), _mm512_load_ps(a1));
+        if (minv) v1 = _mm512_fnmadd_ps(_mm512_set1_ps(minv[16 * g + m]), s1, v1);
+        _mm512_store_ps(a1, v1);
       }
     }
 }
 
-// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed by amx_pack.
+// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed by amx_pack; x_sum: amx_block_sums
+// (read only for Q4_K).
 template <int Decode, int Kind>
-void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
-                   int ldc) {
-  const int K = p.k, J = (T + 15) / 16, pairs = (J + 1) / 2;
+void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
+                   const float* x_sum, float* c, int ldc) {
+  const int K = p.k, J = (T + 15) / 16, pairs = (J + 1) / 2, Tp = 16 * J;
   const int64_t S = K / 32;
   const bool two_rows = R > 16;
   const int rows = two_rows ? 32 : 16;
-  // k sharing one scale within a chunk: Q4_0's and mxfp4's blocks of 32, else the group (the engine's
-  // groups are 32 times a power of two, so a chunk holds whole groups or lies inside one)
-  const int span = Decode == kNibbleQ4_0 || Decode == kNibbleE2M1 ? 32 : std::min(p.group, kNibbleChunk);
+  // k sharing one scale within a chunk: the GGUF types' and mxfp4's blocks of 32, else the group (the
+  // engine's groups are 32 times a power of two, so a chunk holds whole groups or lies inside one)
+  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleE2M1 || Decode == kNibbleQ4K;
+  const int span = blocks32 ? 32 : std::min(p.group, kNibbleChunk);
   alignas(64) uint16_t a[32 * kNibbleChunk];
   alignas(64) float scale[kNibbleChunk / 32][32];
+  alignas(64) float minv[kNibbleChunk / 32][32];
   alignas(64) float part[4][16][16];
   thread_local std::vector<float> acc_buf;  // every token pair's accumulators, 64-byte aligned below
   if (acc_buf.size() < size_t(pairs) * 1024 + 16) acc_buf.resize(size_t(pairs) * 1024 + 16);
@@ -369,7 +412,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
   for (int k0 = 0; k0 < K; k0 += kNibbleChunk) {
     const int kc = K - k0 < kNibbleChunk ? K - k0 : kNibbleChunk;
     const int sp = span < kc ? span : kc;
-    decode_nibble_chunk<Decode, Kind>(p, e, r0, R, rows, k0, kc, sp, a, scale);
+    decode_nibble_chunk<Decode, Kind>(p, e, r0, R, rows, k0, kc, sp, a, scale, minv);
     for (int jp = 0; jp < pairs; ++jp) {
       const int j = 2 * jp;
       const bool two_tok = j + 1 < J;
@@ -379,7 +422,9 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
         tile_ksteps(a + u0, nullptr, kNibbleChunk * 2, 16 * kNibbleChunk, x_hi, x_lo, b0, b1, (k0 + u0) / 32, sp / 32,
                     two_rows, two_tok);
         save_c(part[0][0]);
-        add_scaled(acc[jp], part, scale[u0 / sp], two_rows, two_tok);
+        const float* sums = Decode == kNibbleQ4K ? x_sum + int64_t((k0 + u0) / 32) * Tp + 16 * j : nullptr;
+        add_scaled(acc[jp], part, scale[u0 / sp], Decode == kNibbleQ4K ? minv[u0 / sp] : nullptr, sums,
+                   sums ? sums + 16 : nullptr, two_rows, two_tok);
       }
     }
   }
@@ -387,16 +432,19 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
   for (int jp = 0; jp < pairs; ++jp) write_c(acc[jp], 2 * jp, J, R, T, c, ldc);
 }
 
-void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T, float* c,
-                     int ldc) {
-  if (p.method == kMXFP4) return gemm_nibble_t<kNibbleE2M1, kScaleE8M0>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
-  if (p.method == kQ4_0) return gemm_nibble_t<kNibbleQ4_0, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
+                     const float* x_sum, float* c, int ldc) {
+#define HETMOE_NIBBLE(D, S) return gemm_nibble_t<D, S>(p, e, r0, R, x_hi, x_lo, T, x_sum, c, ldc)
+  if (p.method == kMXFP4) HETMOE_NIBBLE(kNibbleE2M1, kScaleE8M0);
+  if (p.method == kQ4_0) HETMOE_NIBBLE(kNibbleQ4_0, kScaleF16);
+  if (p.method == kQ4K) HETMOE_NIBBLE(kNibbleQ4K, kScaleF16);
   if (p.z) {
-    if (p.scale_kind == kScaleF16) return gemm_nibble_t<kNibbleZeros, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
-    return gemm_nibble_t<kNibbleZeros, kScaleBF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+    if (p.scale_kind == kScaleF16) HETMOE_NIBBLE(kNibbleZeros, kScaleF16);
+    HETMOE_NIBBLE(kNibbleZeros, kScaleBF16);
   }
-  if (p.scale_kind == kScaleF16) return gemm_nibble_t<kNibbleEight, kScaleF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
-  return gemm_nibble_t<kNibbleEight, kScaleBF16>(p, e, r0, R, x_hi, x_lo, T, c, ldc);
+  if (p.scale_kind == kScaleF16) HETMOE_NIBBLE(kNibbleEight, kScaleF16);
+  HETMOE_NIBBLE(kNibbleEight, kScaleBF16);
+#undef HETMOE_NIBBLE
 }
 
 // ---- int8 weights (one fp32 scale a row) on TDPBSSD ----

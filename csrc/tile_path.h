@@ -29,12 +29,28 @@ inline bool tile_int8(const KernelTable* kt, const Proj& p) {
   return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
 }
 
+// Whether a method's 4-bit tile kernel needs the activations' sums over each block of 32 (a min term).
+constexpr bool amx_needs_block_sums(int method) { return method == kQ4K; }
+// sums[b * Tp + t] = the fp32 sum of a[t][32 b .. 32 b + 31] for t < T, 0 for t in [T, Tp), Tp = 16 * ceil(T / 16):
+// a block's sums for a token tile are 16 consecutive floats, the lanes of a C tile's row.
+inline void amx_block_sums(const float* const* a, int T, int K, float* sums) {
+  const int Tp = (T + 15) / 16 * 16;
+  for (int b = 0; b < K / 32; ++b)
+    for (int t = 0; t < Tp; ++t) {
+      float s = 0.f;
+      if (t < T)
+        for (int i = 0; i < 32; ++i) s += a[t][32 * b + i];
+      sums[int64_t(b) * Tp + t] = s;
+    }
+}
+
+
 // Per-worker buffers: packed activations (bf16 hi/lo, int8 digits), a dequantized panel and its bf16
 // rows, a tail of stored rows.
 struct TileScratch {
   std::vector<uint16_t> x_hi, x_lo, w_hi, w_lo;
   std::vector<int8_t> q_hi, q_lo;
-  std::vector<float> panel, q_d;
+  std::vector<float> panel, q_d, sums;
   std::vector<uint8_t> tail;  // stored rows copied beside zero rows (tile_rows_as_stored)
 };
 inline thread_local TileScratch tl_tile;
@@ -47,6 +63,7 @@ struct TileActs {
   const int8_t* q_hi = nullptr;
   const int8_t* q_lo = nullptr;
   const float* q_d = nullptr;
+  const float* sums = nullptr;  // amx_block_sums, where a projection's tile kernel has a min term
   int T = 0;
 };
 
@@ -63,6 +80,11 @@ inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T
     kt->amx_pack(rows, T, K, hi, lo);
     x.hi = hi;
     x.lo = lo;
+  }
+  if (kt->amx_gemm_nibble && (amx_needs_block_sums(a.method) || amx_needs_block_sums(b.method))) {
+    float* sums = sized(tl_tile.sums, size_t(K / 32) * ((T + 15) / 16 * 16));
+    amx_block_sums(rows, T, K, sums);
+    x.sums = sums;
   }
   if (tile_int8(kt, a) || tile_int8(kt, b)) {
     int8_t* hi = sized(tl_tile.q_hi, n);
@@ -100,8 +122,8 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     const int padded = R > 16 ? kAmxRows : 16;  // the kernels read whole A tiles of 16 rows
     float* out = c + (r0 - n0);
     int64_t stride = 0;
-    if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4 || p.method == kQ4_0)) {
-      kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, out, ldc);
+    if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4 || p.method == kQ4_0 || p.method == kQ4K)) {
+      kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, x.sums, out, ldc);
       continue;
     }
     if (tile_int8(kt, p)) {

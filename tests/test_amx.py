@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import engine_isas
 
-from hetmoe.formats import get_codec
+from hetmoe.formats import QuantizedTensor, get_codec
 from hetmoe.kernels import select_isa
 from hetmoe.kernels.dispatch import engine_module
 from hetmoe.runtime import CPUExperts
@@ -142,6 +142,7 @@ def test_auto_never_selects_the_emulator(monkeypatch) -> None:
         ("int4-asym", {"group_size": 64}, 640),
         ("gptq", {"group_size": 128, "sym": False}, 640),
         ("gguf:q4_0", {}, 640),
+        ("gguf:q4_k", {}, 768),
         ("mxfp4", {}, 640),
     ],
 )
@@ -152,7 +153,11 @@ def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: i
     fp32 chains' at most span / 2 + 2 roundings (span <= 256 <= K / 2), one for the scale and one into
     the accumulator (K / 32 spans at most), each 2^-24 of a sum no larger than sum_k |w x|. 80 rows
     (two 32-row blocks and a 16-row one), 70 tokens (three token-tile pairs, the last one single),
-    K not a multiple of the 256-column chunk where the group allows (a 128-column tail)."""
+    K not a multiple of the 256-column chunk where the group allows (a 128-column tail).
+    Q4_K's weights are d * sc * code - dmin * m: its min term, dmin * m (exact in fp32) times the
+    activations' fp32 sum over the sub-block (31 roundings), is subtracted in one more rounding, so
+    its sums are measured against sum_k |x| (|w| + |dmin m|), with 33 more roundings of 2^-24, and
+    2 for the fp32 weights the reference dequantizes (each rounded from d * sc * code - dmin * m)."""
     select_isa(isa)
     g = torch.Generator().manual_seed(11)
     codec = get_codec(method, **params)
@@ -163,6 +168,14 @@ def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: i
     got = lin(x).double()
     w = codec.dequantize(q).double()
     ref = x.double() @ w.T
-    scale = x.double().abs() @ w.abs().T
-    bound = 2.0**-18 + (K / 2 + 4 + K / 32) * 2.0**-24
+    magnitude = w.abs()
+    extra = 0
+    if method == "gguf:q4_k":  # the codes zeroed leave -dmin * m in every weight's place
+        blocks = q.tensors[".weight"].clone().view(80, -1, 144)
+        blocks[:, :, 16:] = 0
+        mins = codec.dequantize(QuantizedTensor(q.method, q.shape, {".weight": blocks.view(80, -1)}, q.params))
+        magnitude = magnitude + mins.double().abs()
+        extra = 33 + 2
+    scale = x.double().abs() @ magnitude.T
+    bound = 2.0**-18 + (K / 2 + 4 + K / 32 + extra) * 2.0**-24
     assert float(((got - ref).abs() / scale).max()) <= bound
