@@ -231,3 +231,34 @@ def test_tiny_chat_model_has_a_chat_template(tiny_cache) -> None:
     assert len(tok) == config["vocab_size"] and tok.eos_token == "<|im_end|>"
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_no_event_reaches_a_request_after_its_failure() -> None:
+    """stop() fails the requests a worker still holds when its join times out, while that worker may
+    still be mid-step and emit their Deltas: once a Finished or Failed went out, nothing follows it,
+    whichever thread sends it (a worker thread emitting Deltas races the failure here)."""
+    import threading
+
+    from hetmoe.serve.scheduler import Delta, Failed, Scheduler, Sequence
+
+    scheduler = Scheduler(torch.nn.Linear(2, 2), None, frozenset())
+    for _ in range(5):
+        got: list = []
+        seq = Sequence([1], SamplingParams(max_tokens=4), got.append)
+        started, failed_sent = threading.Event(), threading.Event()
+
+        def worker(seq=seq, started=started, failed_sent=failed_sent) -> None:
+            started.set()
+            while not failed_sent.is_set():
+                scheduler._emit(seq, Delta("x"))
+            for _ in range(100):  # the steps a worker still finishes after the failure
+                scheduler._emit(seq, Delta("late"))
+
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait()
+        scheduler._emit(seq, Failed("the server is shutting down"))
+        failed_sent.set()
+        t.join()
+        failed = [i for i, e in enumerate(got) if isinstance(e, Failed)]
+        assert failed == [len(got) - 1], (failed, len(got))

@@ -92,6 +92,8 @@ class Sequence:
     cache: Any = None  # its own cache, only when the model's caches cannot be batched
     last_token_at: float = 0.0
     done: bool = False
+    # a Finished or Failed went to the sink: nothing more does (Scheduler._emit)
+    closed: bool = False
 
 
 class Scheduler:
@@ -124,6 +126,9 @@ class Scheduler:
         self._batched: bool | None = None  # decided by the first prefill: can caches be padded into a batch?
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Held across an event's check and delivery: after stop() gives up waiting for a worker that is
+        # still mid-step, it fails the sequences while that worker may still emit their Deltas.
+        self._emit_lock = threading.Lock()
         # Prefill needs only the last position's logits (generate() asks for the same when it can).
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
@@ -335,10 +340,16 @@ class Scheduler:
     # --- endings --------------------------------------------------------------------------------
 
     def _emit(self, seq: Sequence, event: Event) -> None:
-        try:
-            seq.sink(event)
-        except Exception:  # the client's event loop is gone: nothing to tell
-            log.debug("could not deliver an event: %s", traceback.format_exc())
+        """Deliver ``event`` unless the sequence already got its last one (Finished or Failed): a
+        request's stream ends at its terminal event, whichever thread sends what after it."""
+        with self._emit_lock:
+            if seq.closed:
+                return
+            seq.closed = isinstance(event, Finished | Failed)
+            try:
+                seq.sink(event)
+            except Exception:  # the client's event loop is gone: nothing to tell
+                log.debug("could not deliver an event: %s", traceback.format_exc())
 
     def _retire(self, seq: Sequence) -> None:
         with self._cond:
