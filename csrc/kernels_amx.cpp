@@ -32,8 +32,9 @@ namespace {
 #include "amx_tiles.h"
 
 // code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
-// superblocks (w = d * sc * code - dmin * m per sub-block of 32)
-enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2, kNibbleQ4_0 = 3, kNibbleQ4K = 4 };
+// superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes)
+enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2, kNibbleQ4_0 = 3, kNibbleQ4K = 4, kNibbleQ5K = 5 };
+constexpr bool has_min(int decode) { return decode == kNibbleQ4K || decode == kNibbleQ5K; }
 
 // 16 fp32 -> 16 bf16, round to nearest even (finite inputs).
 inline __m256i to_bf16x16(__m512 v) {
@@ -226,11 +227,11 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
   tile_release();
 }
 
-// ---- 4-bit rows (int4 sym/asym, gptq repacked, GGUF Q4_0 and Q4_K, mxfp4): codes into tiles, scales after ----
+// ---- 4- and 5-bit rows (int4 sym/asym, gptq repacked, GGUF Q4_0, Q4_K and Q5_K, mxfp4): codes into tiles ----
 // A 4-bit weight is w = scale_g * v with v an integer code value: code - zero (int4, Q4_0), twice an
-// E2M1 value (mxfp4, its scale halved), or the code itself (Q4_K, whose w = scale_g * code - min_g
-// has a min term: min_g times the activations' sum over the sub-block, tile_path.h's amx_block_sums,
-// subtracted where the scale is applied). |v| <= 15, so v is exact in bf16 and the weights enter the
+// E2M1 value (mxfp4, its scale halved), or the code itself (Q4_K, Q5_K: w = scale_g * code - min_g
+// has a min term, min_g times the activations' sum over the sub-block, tile_path.h's amx_block_sums,
+// subtracted where the scale is applied). |v| <= 31, so v is exact in bf16 and the weights enter the
 // tiles with no lo part: one pass against bf16 activations, two against fp32 ones (v x_hi + v x_lo).
 // Each 32-row block is decoded kNibbleChunk columns at a time into bf16 A rows that stay in L1, and
 // for each span of k sharing a scale (a group, at most the chunk) the tiles compute the span's dot
@@ -260,17 +261,20 @@ inline float nibble_scale(const uint8_t* s, int g) {
 }
 
 // The bf16 words a 5-bit index looks up (vpermw): for E2M1, twice the value of code i (i < 16); for
-// the integer codes bf16(i - 16), indexed by code + 16 - zero.
+// the K-quants' unsigned codes bf16(i); for the other integer codes bf16(i - 16), indexed by
+// code + 16 - zero.
 inline uint16_t bf16_of_small_int(int v) {
   const float f = float(v);
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return uint16_t(u >> 16);  // exact: |v| < 256
 }
-inline __m512i nibble_table(bool e2m1) {
+template <int Decode>
+inline __m512i nibble_table() {
   static const int kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) t[i] = bf16_of_small_int(e2m1 ? (i < 16 ? kE2M1x2[i] : 0) : i - 16);
+  for (int i = 0; i < 32; ++i)
+    t[i] = bf16_of_small_int(Decode == kNibbleE2M1 ? (i < 16 ? kE2M1x2[i] : 0) : has_min(Decode) ? i : i - 16);
   return _mm512_load_si512(t);
 }
 
@@ -299,31 +303,33 @@ inline __m512i nibble_row(const uint8_t* codes, __m512i offset, __m512i table) {
 template <int Decode, int Kind>
 void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, int kc, int span, uint16_t* a,
                          float (*scale)[32], float (*minv)[32]) {
-  const __m512i table = nibble_table(Decode == kNibbleE2M1);
+  const __m512i table = nibble_table<Decode>();
   const int gshift = p.group > 0 ? __builtin_ctz(unsigned(p.group)) : 0;  // groups: powers of two (bindings.cpp)
   for (int r = 0; r < rows; ++r) {
     uint16_t* h = a + r * kNibbleChunk;
     if (r >= R) {
       std::memset(h, 0, kc * 2);
       for (int u = 0; u < kc / span; ++u) scale[u][r] = 0.f;
-      if constexpr (Decode == kNibbleQ4K)
+      if constexpr (has_min(Decode))
         for (int u = 0; u < kc / span; ++u) minv[u][r] = 0.f;
       continue;
     }
     const int n = r0 + r;
-    if constexpr (Decode == kNibbleQ4K) {  // one 144-byte superblock a chunk of 256: d, dmin, 12 bytes of
-      // 6-bit scales and mins, then 128 bytes whose 32-byte part j holds sub-block 2j in its low nibbles
-      // and 2j + 1 in its high ones, each in k order; span 32
-      const uint8_t* sb = p.w + e * p.w_estride + int64_t(n) * p.w_rstride + int64_t(k0 / 256) * 144;
-      if (k0 + kc < p.k) _mm_prefetch(reinterpret_cast<const char*>(sb + 144 + 64), _MM_HINT_T0);
+    if constexpr (has_min(Decode)) {  // one superblock a chunk of 256: d, dmin, 12 bytes of 6-bit scales
+      // and mins, (Q5_K: 32 bytes whose bit b is sub-block b's fifth code bit,) then 128 bytes whose
+      // 32-byte part j holds sub-block 2j in its low nibbles and 2j + 1 in its high ones, in k order
+      constexpr int bytes = Decode == kNibbleQ4K ? 144 : 176, codes_at = Decode == kNibbleQ4K ? 16 : 48;
+      const uint8_t* sb = p.w + e * p.w_estride + int64_t(n) * p.w_rstride + int64_t(k0 / 256) * bytes;
+      if (k0 + kc < p.k) _mm_prefetch(reinterpret_cast<const char*>(sb + bytes + 64), _MM_HINT_T0);
       uint16_t d16, m16;
       std::memcpy(&d16, sb, 2);
       std::memcpy(&m16, sb + 2, 2);
       const float d = _cvtsh_ss(d16), dmin = _cvtsh_ss(m16);
-      const __m512i offset = _mm512_set1_epi16(16);  // the table holds bf16(i - 16): index code + 16
-      const uint8_t* q = sb + 4;                      // scales and mins, ggml's get_scale_min_k4
+      const uint8_t* q = sb + 4;  // scales and mins, ggml's get_scale_min_k4
+      const __m256i qh = Decode == kNibbleQ5K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16))
+                                              : _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
-        const __m256i part = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j));
+        const __m256i part = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + codes_at + 32 * j));
         const __m256i codes[2] = {_mm256_and_si256(part, _mm256_set1_epi8(0x0F)),
                                   _mm256_and_si256(_mm256_srli_epi16(part, 4), _mm256_set1_epi8(0x0F))};
         for (int half = 0; half < 2; ++half) {
@@ -332,8 +338,13 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
           const int m = b < 4 ? q[b + 4] & 63 : (q[b + 4] >> 4) | ((q[b] >> 6) << 4);
           scale[b][r] = d * float(sc);
           minv[b][r] = dmin * float(m);  // exact: 11 significant bits times 6
-          const __m512i idx = _mm512_add_epi16(_mm512_cvtepu8_epi16(codes[half]), offset);
-          _mm512_storeu_si512(h + 32 * b, _mm512_permutexvar_epi16(idx, table));
+          __m256i c = codes[half];
+          if constexpr (Decode == kNibbleQ5K) {  // bit b of each qh byte -> 16 (cmpeq keeps it bytewise)
+            const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << b));
+            c = _mm256_or_si256(c, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                    _mm256_set1_epi8(16)));
+          }
+          _mm512_storeu_si512(h + 32 * b, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(c), table));
         }
       }
       continue;
@@ -397,7 +408,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
   const int rows = two_rows ? 32 : 16;
   // k sharing one scale within a chunk: the GGUF types' and mxfp4's blocks of 32, else the group (the
   // engine's groups are 32 times a power of two, so a chunk holds whole groups or lies inside one)
-  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleE2M1 || Decode == kNibbleQ4K;
+  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleE2M1 || has_min(Decode);
   const int span = blocks32 ? 32 : std::min(p.group, kNibbleChunk);
   alignas(64) uint16_t a[32 * kNibbleChunk];
   alignas(64) float scale[kNibbleChunk / 32][32];
@@ -422,8 +433,8 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
         tile_ksteps(a + u0, nullptr, kNibbleChunk * 2, 16 * kNibbleChunk, x_hi, x_lo, b0, b1, (k0 + u0) / 32, sp / 32,
                     two_rows, two_tok);
         save_c(part[0][0]);
-        const float* sums = Decode == kNibbleQ4K ? x_sum + int64_t((k0 + u0) / 32) * Tp + 16 * j : nullptr;
-        add_scaled(acc[jp], part, scale[u0 / sp], Decode == kNibbleQ4K ? minv[u0 / sp] : nullptr, sums,
+        const float* sums = has_min(Decode) ? x_sum + int64_t((k0 + u0) / 32) * Tp + 16 * j : nullptr;
+        add_scaled(acc[jp], part, scale[u0 / sp], has_min(Decode) ? minv[u0 / sp] : nullptr, sums,
                    sums ? sums + 16 : nullptr, two_rows, two_tok);
       }
     }
@@ -438,6 +449,7 @@ void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, 
   if (p.method == kMXFP4) HETMOE_NIBBLE(kNibbleE2M1, kScaleE8M0);
   if (p.method == kQ4_0) HETMOE_NIBBLE(kNibbleQ4_0, kScaleF16);
   if (p.method == kQ4K) HETMOE_NIBBLE(kNibbleQ4K, kScaleF16);
+  if (p.method == kQ5K) HETMOE_NIBBLE(kNibbleQ5K, kScaleF16);
   if (p.z) {
     if (p.scale_kind == kScaleF16) HETMOE_NIBBLE(kNibbleZeros, kScaleF16);
     HETMOE_NIBBLE(kNibbleZeros, kScaleBF16);

@@ -104,7 +104,9 @@ def test_split_keeps_fp32_accuracy(isa: str, R: int, T: int, K: int) -> None:
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the hardware variant is not run here")
-@pytest.mark.parametrize("method", ["bf16", "int8", "int4", "mxfp4", "fp8", "gguf:q4_k", "gguf:q8_0", "gguf:q4_0"])
+@pytest.mark.parametrize(
+    "method", ["bf16", "int8", "int4", "mxfp4", "fp8", "gguf:q4_k", "gguf:q5_k", "gguf:q8_0", "gguf:q4_0"]
+)
 def test_engines_on_hardware_tiles_equal_the_emulator(method: str) -> None:
     """Whole MoE layers (every expert on the tile path) and linears, hardware against emulator."""
     E, H, I, T = 4, 512, 256, 40  # noqa: E741
@@ -143,6 +145,7 @@ def test_auto_never_selects_the_emulator(monkeypatch) -> None:
         ("gptq", {"group_size": 128, "sym": False}, 640),
         ("gguf:q4_0", {}, 640),
         ("gguf:q4_k", {}, 768),
+        ("gguf:q5_k", {}, 768),
         ("mxfp4", {}, 640),
     ],
 )
@@ -154,7 +157,7 @@ def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: i
     the accumulator (K / 32 spans at most), each 2^-24 of a sum no larger than sum_k |w x|. 80 rows
     (two 32-row blocks and a 16-row one), 70 tokens (three token-tile pairs, the last one single),
     K not a multiple of the 256-column chunk where the group allows (a 128-column tail).
-    Q4_K's weights are d * sc * code - dmin * m: its min term, dmin * m (exact in fp32) times the
+    Q4_K's and Q5_K's weights are d * sc * code - dmin * m: the min term, dmin * m (exact in fp32) times the
     activations' fp32 sum over the sub-block (31 roundings), is subtracted in one more rounding, so
     its sums are measured against sum_k |x| (|w| + |dmin m|), with 33 more roundings of 2^-24, and
     2 for the fp32 weights the reference dequantizes (each rounded from d * sc * code - dmin * m)."""
@@ -170,8 +173,8 @@ def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: i
     ref = x.double() @ w.T
     magnitude = w.abs()
     extra = 0
-    if method == "gguf:q4_k":  # the codes zeroed leave -dmin * m in every weight's place
-        blocks = q.tensors[".weight"].clone().view(80, -1, 144)
+    if method in ("gguf:q4_k", "gguf:q5_k"):  # the codes zeroed leave -dmin * m in every weight's place
+        blocks = q.tensors[".weight"].clone().view(80, -1, 144 if method == "gguf:q4_k" else 176)
         blocks[:, :, 16:] = 0
         mins = codec.dequantize(QuantizedTensor(q.method, q.shape, {".weight": blocks.view(80, -1)}, q.params))
         magnitude = magnitude + mins.double().abs()
