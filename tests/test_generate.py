@@ -82,3 +82,14 @@ def test_generate_without_tokenizer_is_a_clear_error(tiny_cache, capsys) -> None
     model = tiny_cache.model("qwen3_moe")  # save_pretrained of a bare model: no tokenizer files
     assert main(["generate", str(model), "hello", "--max-new-tokens", "2"]) == 1
     assert "no tokenizer files" in capsys.readouterr().err
+
+
+def test_generate_takes_options_between_model_and_prompt(model_dir: Path, capsys) -> None:
+    """`hetmoe generate MODEL --max-new-tokens N PROMPT` (options between the two positionals) runs as
+    the same command with the options last does, to the same text."""
+    assert main(["generate", str(model_dir), "--max-new-tokens", "4", "--threads", "1", "Hello"]) == 0
+    between = capsys.readouterr().out
+    assert main(["generate", str(model_dir), "Hello", "--max-new-tokens", "4", "--threads", "1"]) == 0
+    assert capsys.readouterr().out == between and between.strip()
+    with pytest.raises(SystemExit):  # an unknown option is still argparse's error
+        main(["generate", str(model_dir), "--no-such-flag", "Hello"])

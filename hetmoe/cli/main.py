@@ -13,6 +13,10 @@ COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, eval, pla
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(
         prog="hetmoe",
         description=(
@@ -22,12 +26,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS:
         module.add_parser(sub)
-    return parser
+    return parser, sub
+
+
+def parse(
+    parser: argparse.ArgumentParser, commands: argparse._SubParsersAction, argv: list[str] | None
+) -> argparse.Namespace:
+    """The command line, with options allowed between a command's positionals: argparse alone gives
+    `hetmoe generate MODEL --max-new-tokens 8 PROMPT` "unrecognized arguments: PROMPT", because it
+    fills both optional positionals at MODEL. Where that happens, the command's own parser reads its
+    arguments again with options and positionals intermixed (commands with sub-commands of their own
+    cannot: they get argparse's error as before)."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra or not getattr(args, "command", None):
+        return parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    sub = commands.choices[args.command]
+    try:
+        return sub.parse_intermixed_args(
+            words[words.index(args.command) + 1 :], argparse.Namespace(command=args.command)
+        )
+    except TypeError:  # a sub-command with sub-parsers: intermixing is not defined for it
+        return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, commands = _build()
+    args = parse(parser, commands, argv)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
