@@ -149,8 +149,8 @@ struct KernelTable {
   // readable), r < R (<= kAmxRows), over amx_pack_i8's digits.
   void (*amx_gemm_i8)(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,
                       const int8_t* x_lo, const float* x_scale, int T, float* c, int ldc);
-  // c[t * ldc + r] = dot(W_e[r0 + r], x[t]) for r < R (<= kAmxRows) of a 4- or 5-bit projection (kInt4,
-  // kMXFP4, kQ4_0, kQ4K, kQ5K), its codes decoded into tiles chunk by chunk; x: amx_pack's tiles; x_sum
+  // c[t * ldc + r] = dot(W_e[r0 + r], x[t]) for r < R (<= kAmxRows) of a projection whose traits row has
+  // tile_codes (method_traits.h), its codes decoded into tiles chunk by chunk; x: amx_pack's tiles; x_sum
   // (the K-quants' min term, else unused): tile_path.h's amx_block_sums.
   void (*amx_gemm_nibble)(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
                           const float* x_sum, float* c, int ldc);

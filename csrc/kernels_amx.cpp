@@ -33,7 +33,14 @@ namespace {
 
 // code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
 // superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes)
-enum NibbleKind { kNibbleEight = 0, kNibbleZeros = 1, kNibbleE2M1 = 2, kNibbleQ4_0 = 3, kNibbleQ4K = 4, kNibbleQ5K = 5 };
+enum NibbleKind {
+  kNibbleEight = 0,
+  kNibbleZeros = 1,
+  kNibbleE2M1 = 2,
+  kNibbleQ4_0 = 3,
+  kNibbleQ4K = 4,
+  kNibbleQ5K = 5,
+};
 constexpr bool has_min(int decode) { return decode == kNibbleQ4K || decode == kNibbleQ5K; }
 
 // 16 fp32 -> 16 bf16, round to nearest even (finite inputs).

@@ -53,6 +53,11 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ8_0) == 34 && sizeof(Block
 static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml block sizes");
 static_assert(sizeof(BlockIQ4XS) == 136, "ggml block sizes");
 
+// How the AMX GEMM (tile_path.h) takes a method's rows beyond bf16's and int8's own paths: dequantized
+// panels, or its codes as exact bf16 values straight into the tiles (kernels_amx.cpp, gemm_nibble_t),
+// the K-quants' with a min term that needs the activations' sums over each block of 32.
+enum TileCodes : int { kTileCodesNone = 0, kTileCodes = 1, kTileCodesMin = 2 };
+
 struct MethodTraits {
   Method method;
   const char* name;        // the engine's name of the stored layout (what _C.methods() reports)
@@ -62,21 +67,22 @@ struct MethodTraits {
   int gemv_act;            // the activation layout its GEMVs read (ActQuant; act_layout widens it)
   bool scales_inside;      // scales live inside the blocks: no scale tensor
   int k_multiple;          // rows hold whole blocks of this many weights
+  int tile_codes;          // TileCodes: whether the AMX GEMM decodes its codes into the tiles
 };
 
 constexpr MethodTraits kMethodTraits[] = {
-    {kBF16, "bf16", 1, 2, 16, kActNone, false, 32},
-    {kInt8, "int8", 1, 1, 8, kActNatural, false, 32},
-    {kInt4, "int4", 2, 1, 4.5, kActPairs, false, 32},
-    {kMXFP4, "mxfp4", 2, 1, 4.25, kActPairs, false, 32},
-    {kFP8, "fp8", 1, 1, 8, kActNone, false, 32},
-    {kQ4K, "gguf:q4_k", 256, int(sizeof(BlockQ4K)), 4.5, kActQuadsK, true, 256},
-    {kQ6K, "gguf:q6_k", 256, int(sizeof(BlockQ6K)), 6.5625, kActQuadsQ6K, true, 256},
-    {kQ5K, "gguf:q5_k", 256, int(sizeof(BlockQ5K)), 5.5, kActQuadsK, true, 256},
-    {kIQ4XS, "gguf:iq4_xs", 256, int(sizeof(BlockIQ4XS)), 4.25, kActQuadsHalves, true, 256},
-    {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalves, true, 32},
-    {kQ8_0, "gguf:q8_0", 32, int(sizeof(BlockQ8_0)), 8.5, kActNatural, true, 32},
-    {kIQ4NL, "gguf:iq4_nl", 32, int(sizeof(BlockIQ4NL)), 4.5, kActQuadsHalves, true, 32},
+    {kBF16, "bf16", 1, 2, 16, kActNone, false, 32, kTileCodesNone},
+    {kInt8, "int8", 1, 1, 8, kActNatural, false, 32, kTileCodesNone},
+    {kInt4, "int4", 2, 1, 4.5, kActPairs, false, 32, kTileCodes},
+    {kMXFP4, "mxfp4", 2, 1, 4.25, kActPairs, false, 32, kTileCodes},
+    {kFP8, "fp8", 1, 1, 8, kActNone, false, 32, kTileCodesNone},
+    {kQ4K, "gguf:q4_k", 256, int(sizeof(BlockQ4K)), 4.5, kActQuadsK, true, 256, kTileCodesMin},
+    {kQ6K, "gguf:q6_k", 256, int(sizeof(BlockQ6K)), 6.5625, kActQuadsQ6K, true, 256, kTileCodesNone},
+    {kQ5K, "gguf:q5_k", 256, int(sizeof(BlockQ5K)), 5.5, kActQuadsK, true, 256, kTileCodesMin},
+    {kIQ4XS, "gguf:iq4_xs", 256, int(sizeof(BlockIQ4XS)), 4.25, kActQuadsHalves, true, 256, kTileCodesNone},
+    {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalves, true, 32, kTileCodes},
+    {kQ8_0, "gguf:q8_0", 32, int(sizeof(BlockQ8_0)), 8.5, kActNatural, true, 32, kTileCodesNone},
+    {kIQ4NL, "gguf:iq4_nl", 32, int(sizeof(BlockIQ4NL)), 4.5, kActQuadsHalves, true, 32, kTileCodesNone},
 };
 
 constexpr bool traits_rows_in_order() {

@@ -62,6 +62,15 @@ QuantResult for_rows(const QuantSource& src, std::initializer_list<Output> outpu
   return {bad.load(), first_bad};
 }
 
+// GGUF rows: k / 32 blocks of `block_bytes` (Q4_0: 18, Q8_0: 34), written by the row kernel `kernel`.
+QuantResult quantize_gguf_blocks(const QuantSource& src, uint8_t* out, int64_t block_bytes,
+                                 void (*QuantRowKernels::*kernel)(const float*, int64_t, uint8_t*)) {
+  const int64_t k = src.k, row_bytes = k / 32 * block_bytes;
+  const QuantRowKernels* kr = kernels_for(src);
+  return for_rows(src, {{out, row_bytes}},
+                  [&](const float* w, int64_t r) { (kr->*kernel)(w, k, out + r * row_bytes); });
+}
+
 }  // namespace
 
 QuantResult quantize_int4(const QuantSource& src, int group, bool asym, int min_zero, bool f16_scales,
@@ -97,17 +106,12 @@ QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* sca
   });
 }
 
-// GGUF rows: k / 32 blocks of `block_bytes` (Q4_0: 18, Q8_0: 34).
 QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out) {
-  const int64_t k = src.k, row_bytes = k / 32 * 18;
-  const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { kr->q4_0(w, k, out + r * row_bytes); });
+  return quantize_gguf_blocks(src, out, 18, &QuantRowKernels::q4_0);
 }
 
 QuantResult quantize_q8_0(const QuantSource& src, uint8_t* out) {
-  const int64_t k = src.k, row_bytes = k / 32 * 34;
-  const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { kr->q8_0(w, k, out + r * row_bytes); });
+  return quantize_gguf_blocks(src, out, 34, &QuantRowKernels::q8_0);
 }
 
 }  // namespace hetmoe

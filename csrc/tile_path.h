@@ -29,8 +29,6 @@ inline bool tile_int8(const KernelTable* kt, const Proj& p) {
   return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
 }
 
-// Whether a method's 4-bit tile kernel needs the activations' sums over each block of 32 (a min term).
-constexpr bool amx_needs_block_sums(int method) { return method == kQ4K || method == kQ5K; }
 // sums[b * Tp + t] = the fp32 sum of a[t][32 b .. 32 b + 31] for t < T, 0 for t in [T, Tp), Tp = 16 * ceil(T / 16):
 // a block's sums for a token tile are 16 consecutive floats, the lanes of a C tile's row.
 inline void amx_block_sums(const float* const* a, int T, int K, float* sums) {
@@ -81,7 +79,8 @@ inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T
     x.hi = hi;
     x.lo = lo;
   }
-  if (kt->amx_gemm_nibble && (amx_needs_block_sums(a.method) || amx_needs_block_sums(b.method))) {
+  if (kt->amx_gemm_nibble &&
+      (method_traits(a.method).tile_codes == kTileCodesMin || method_traits(b.method).tile_codes == kTileCodesMin)) {
     float* sums = sized(tl_tile.sums, size_t(K / 32) * ((T + 15) / 16 * 16));
     amx_block_sums(rows, T, K, sums);
     x.sums = sums;
@@ -122,8 +121,7 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     const int padded = R > 16 ? kAmxRows : 16;  // the kernels read whole A tiles of 16 rows
     float* out = c + (r0 - n0);
     int64_t stride = 0;
-    if (kt->amx_gemm_nibble && (p.method == kInt4 || p.method == kMXFP4 || p.method == kQ4_0 || p.method == kQ4K ||
-                                 p.method == kQ5K)) {
+    if (kt->amx_gemm_nibble && method_traits(p.method).tile_codes != kTileCodesNone) {
       kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, x.sums, out, ldc);
       continue;
     }

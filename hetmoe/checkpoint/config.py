@@ -60,20 +60,26 @@ def _gguf_of(p: Path) -> Path | None:
     return ggufs[0] if ggufs else None
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A side file's JSON object (config.json, generation_config.json), or one CheckpointError naming
+    the file: unreadable, not JSON (with line and column), or not an object."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(path, f"cannot be read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(path, f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, f"must hold a JSON object, found {type(raw).__name__}")
+    return raw
+
+
 def _read_json_config(cfg_path: Path) -> dict[str, Any]:
     if not cfg_path.exists():
         raise CheckpointError(
             cfg_path, "missing config.json: a transformers checkpoint needs it to say the architecture and sizes"
         )
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(cfg_path, f"cannot read config.json: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(cfg_path, f"config.json is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(cfg_path, f"config.json must hold a JSON object, found {type(raw).__name__}")
-    config = _resolve_text_config(raw)
+    config = _resolve_text_config(read_json_object(cfg_path))
     config["_source"] = str(cfg_path)
     _check_required(config, cfg_path)
     return config

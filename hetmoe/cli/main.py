@@ -38,8 +38,10 @@ def parse(
     arguments again with options and positionals intermixed (commands with sub-commands of their own
     cannot: they get argparse's error as before)."""
     args, extra = parser.parse_known_args(argv)
-    if not extra or not getattr(args, "command", None):
-        return parser.parse_args(argv)
+    if not extra:
+        return args
+    if not getattr(args, "command", None):
+        return parser.parse_args(argv)  # argparse's own error
     words = list(sys.argv[1:] if argv is None else argv)
     sub = commands.choices[args.command]
     try:

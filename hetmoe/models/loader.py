@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, TensorSource, open_source
-from ..checkpoint.config import read_config
+from ..checkpoint.config import read_config, read_json_object
 from ..checkpoint.convert import expert_keys
 from ..checkpoint.experts import LayerExperts, read_layer_experts
 from ..checkpoint.layout import MoELayout, moe_layout
@@ -370,14 +370,7 @@ def _load_generation_config(model: nn.Module, directory: Path) -> None:
         return
     from transformers import GenerationConfig
 
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"cannot be read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(path, f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(path, f"must hold a JSON object, found {type(raw).__name__}")
+    raw = read_json_object(path)
     for key, value in raw.items():
         problem = _generation_field_problem(key, value)
         if problem:
