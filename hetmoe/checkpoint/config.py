@@ -69,6 +69,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise CheckpointError(path, f"cannot be read: {exc}") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(path, f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise CheckpointError(path, "is nested too deeply (arrays or objects in one another hundreds deep)") from None
     if not isinstance(raw, dict):
         raise CheckpointError(path, f"must hold a JSON object, found {type(raw).__name__}")
     return raw

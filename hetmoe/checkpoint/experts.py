@@ -166,6 +166,12 @@ def _check_per_expert(source: TensorSource, layout: MoELayout, layer: int) -> tu
     the key template of each projection)."""
     codec = layout.scheme.codec()
     shapes = _shapes(layout)
+    if 3 * layout.num_experts > len(layout.keys):  # before listing names: the count may be a corrupt 2^31
+        raise CheckpointError(
+            source.path,
+            f"the config gives {layout.num_experts} experts a layer, stored one tensor each per projection, "
+            f"but the checkpoint holds only {len(layout.keys)} tensors",
+        )
     templates = {"gate": layout.gate, "up": layout.up or layout.gate, "down": layout.down}
     wanted = [
         layout.key(layer, templates[p], spec.suffix, e)

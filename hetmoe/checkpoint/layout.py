@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..formats import FormatError
 from .detect import SUFFIXES
 from .errors import CheckpointError
 from .quant_config import ExpertScheme, check_dims, resolve_scheme
@@ -52,16 +53,33 @@ _PER_EXPERT = re.compile(r"^(?P<module>(?:mlp|block_sparse_moe|feed_forward)\.ex
 _FUSED_CODEC_SUFFIXES = (".weight", ".weight_scale_inv", ".weight_scale", "_blocks", "_scales")
 
 
+def _int_field(config: Mapping[str, Any], name: str, default: int, minimum: int) -> int:
+    """An optional integer field of the config (absent or null: ``default``), or an error naming it."""
+    value = config.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CheckpointError(
+            config.get("_source", "config.json"), f"{name} must be an integer >= {minimum}, found {value!r}"
+        )
+    return value
+
+
 def _sparse_step(config: Mapping[str, Any], layer: int) -> bool:
-    step = config.get("decoder_sparse_step") or 1
-    return layer not in (config.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+    step = _int_field(config, "decoder_sparse_step", 1, 1)
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in dense):
+        raise CheckpointError(
+            config.get("_source", "config.json"), f"mlp_only_layers must be a list of layer indices, found {dense!r}"
+        )
+    return layer not in dense and (layer + 1) % step == 0
 
 
 def _first_k_dense(config: Mapping[str, Any], layer: int) -> bool:
     # moe_layer_freq is DeepSeek's original remote code; transformers ignores it because every
     # released checkpoint sets 1, but honouring it costs nothing.
-    freq = config.get("moe_layer_freq") or 1
-    return layer >= (config.get("first_k_dense_replace") or 0) and layer % freq == 0
+    freq = _int_field(config, "moe_layer_freq", 1, 1)
+    return layer >= _int_field(config, "first_k_dense_replace", 0, 0) and layer % freq == 0
 
 
 def _every_layer(config: Mapping[str, Any], layer: int) -> bool:
@@ -177,7 +195,11 @@ def moe_layout(config: Mapping[str, Any], source: TensorSource) -> MoELayout:
             )
         raise CheckpointError(source.path, f"no routed-expert tensors found for model_type {raw_type!r}")
     prefix = _choose_prefix(found)
-    num_layers = int(config["num_hidden_layers"])
+    num_layers = _positive(config, ("num_hidden_layers",), where, "layer count")
+    if num_layers > len(keys):  # every decoder layer holds at least one tensor
+        raise CheckpointError(
+            where, f"num_hidden_layers is {num_layers}, but the checkpoint holds only {len(keys)} tensors"
+        )
     present = sorted(layer for layer in found[prefix] if layer < num_layers)  # later layers: MTP heads
     if gguf or arch is None:
         moe_layers = present
@@ -320,6 +342,9 @@ def _scheme(layout: MoELayout, config: Mapping[str, Any], source: TensorSource, 
         for suffix in _FUSED_CODEC_SUFFIXES:
             if module + fused_suffix(suffix) in layout.keys:
                 tensors[suffix] = source.info(module + fused_suffix(suffix))
-    scheme = resolve_scheme(config, module, tensors, where, (layout.hidden_size, layout.intermediate_size))
-    check_dims(scheme, layout.hidden_size, layout.intermediate_size, module)
+    try:
+        scheme = resolve_scheme(config, module, tensors, where, (layout.hidden_size, layout.intermediate_size))
+        check_dims(scheme, layout.hidden_size, layout.intermediate_size, module)
+    except FormatError as exc:  # the config's sizes do not fit the stored format's groups
+        raise CheckpointError(where, str(exc)) from None
     return scheme

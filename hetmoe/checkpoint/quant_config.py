@@ -64,6 +64,8 @@ def scheme_from_config(qc: Any, where: str | Path, module: str = "") -> ExpertSc
         return None
     if not isinstance(qc, Mapping):
         raise CheckpointError(where, f"quantization_config must be an object, found {type(qc).__name__}")
+    for key in ("modules_to_not_convert", "ignore"):
+        _check_names(qc.get(key), f"quantization_config {key}", where)
     method = qc.get("quant_method")
     if method == "fp8":
         return None if _ignored(qc.get("modules_to_not_convert"), module) else _fp8(qc, where)
@@ -102,7 +104,7 @@ def _gptq(qc: Mapping[str, Any], where: str | Path) -> ExpertScheme:
             "quantization_config gptq desc_act=True (act-order) is not supported: its permuted g_idx breaks the "
             "contiguous groups the CPU kernels read; re-quantize with desc_act=False",
         )
-    group = qc.get("group_size", 128)
+    group = _group_size(qc.get("group_size", 128), "quantization_config gptq group_size", where, per_channel=True)
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(where, f"quantization_config gptq checkpoint_format {fmt!r} is not supported")
@@ -128,7 +130,8 @@ def _compressed_tensors(qc: Mapping[str, Any], where: str | Path, module: str) -
             raise CheckpointError(where, f"quantization_config {what}: only num_bits 4 type int is supported")
         if strategy != "group":
             raise CheckpointError(where, f"quantization_config {what}: only the group strategy is supported")
-        params = {"group_size": weights.get("group_size"), "layout": "compressed-tensors"}
+        group = _group_size(weights.get("group_size"), "quantization_config weights group_size", where)
+        params = {"group_size": group, "layout": "compressed-tensors"}
         return ExpertScheme("int4" if symmetric else "int4-asym", params, {}, "config")
     if fmt in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8:
         if strategy == "channel":
@@ -146,10 +149,25 @@ def _target_group(groups: Any, module: str, where: str | Path) -> Mapping[str, A
     for group in groups.values():
         if not isinstance(group, Mapping):
             continue
-        targets = group.get("targets", [])
+        targets = group.get("targets") or []
+        _check_names(targets, "quantization_config config_groups targets", where)
         if "Linear" in targets or _ignored(targets, module):
             return group
     return None
+
+
+def _check_names(value: Any, what: str, where: str | Path) -> None:
+    """A list of module names or patterns (or absent)."""
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise CheckpointError(where, f"{what} must be a list of module names, found {value!r}"[:300])
+
+
+def _group_size(value: Any, what: str, where: str | Path, per_channel: bool = False) -> int:
+    """A group size: a positive integer (how many weights of a row share one scale); GPTQ's -1 is a row."""
+    if not isinstance(value, int) or isinstance(value, bool) or not (value > 0 or (per_channel and value == -1)):
+        expected = "a positive integer" + (" or -1 (one group a row)" if per_channel else "")
+        raise CheckpointError(where, f"{what} must be {expected}, found {value!r}"[:300])
+    return value
 
 
 def _ignored(patterns: Any, module: str) -> bool:

@@ -269,6 +269,8 @@ def read_json_file(path: Path, what: str) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(path, f"cannot read the {what}: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(path, f"the {what} is nested too deeply to be one") from None
     if not isinstance(data, dict):
         raise CheckpointError(path, f"the {what} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -345,6 +347,8 @@ class ExpertStore:
             )
         try:
             self.method: str = m["method"]
+            if not isinstance(self.method, str):
+                raise TypeError(f"method must be a string, found {self.method!r}")
             self.params: dict[str, Any] = dict(m["params"])
             arch = m["architecture"]
             self.prefix: str = arch["prefix"]
@@ -362,11 +366,11 @@ class ExpertStore:
             for rec, name in zip(self._layer_records() + self._rest, expected, strict=True):
                 if rec["file"] != name or not isinstance(rec["bytes"], int):
                     raise ValueError(f"file record {rec!r}, expected file {name!r} with an integer size")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(where, f"malformed store manifest: {type(exc).__name__}: {exc}") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise CheckpointError(where, f"malformed store manifest: {type(exc).__name__}: {exc}"[:500]) from None
         try:
             self.codec = get_codec(self.method, **self.params)
-        except (UnknownMethodError, FormatError) as exc:
+        except (UnknownMethodError, FormatError, TypeError) as exc:
             raise CheckpointError(where, f"store method {self.method!r} {self.params}: {exc}") from None
         if sorted(self._layers) != sorted(self.moe_layers):
             raise CheckpointError(

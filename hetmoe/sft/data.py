@@ -40,15 +40,21 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict[str, str]]]:
     if not p.is_file():
         raise ValueError(f"{p}: no such data file")
     out: list[list[dict[str, str]]] = []
-    with p.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    with p.open("rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            where = f"{p}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{p}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply to be a conversation") from None
             out.append(_messages(record, where))
     if not out:
         raise ValueError(f"{p}: no conversations (expected one JSON object a line)")
