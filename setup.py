@@ -4,6 +4,7 @@ Each ISA translation unit gets its own -m flags; the rest is baseline x86-64, so
 module never executes an instruction the CPU lacks: the variant is chosen at run time from CPUID.
 """
 
+import os
 import platform
 from pathlib import Path
 
@@ -53,6 +54,10 @@ class BuildWithISAFlags(build_ext):
         super().build_extensions()
 
 
+# HETMOE_SANITIZE=1: AddressSanitizer and UndefinedBehaviorSanitizer, for scripts/sanitize.sh (the
+# module then needs libasan preloaded into Python; that script does it)
+SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"] if os.environ.get("HETMOE_SANITIZE") else []
+
 ext_modules = []
 if platform.machine().lower() in ("x86_64", "amd64"):
     ext_modules.append(
@@ -79,8 +84,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
                 "-Wno-unused-parameter",
                 "-Wno-maybe-uninitialized",
                 "-Wno-uninitialized",
+                *SANITIZE,
             ],
-            extra_link_args=["-pthread", "-ldl"],  # -ldl: libnuma is loaded at run time
+            extra_link_args=["-pthread", "-ldl", *SANITIZE],  # -ldl: libnuma is loaded at run time
         )
     )
 

@@ -13,6 +13,10 @@ child process on a free loopback port, so the clients' own work does not share t
 interpreter, and reads the server's memory from /proc (psutil). With ``--url`` memory is reported
 only when ``--server-pid`` names the server's process.
 
+A soak (issue-style: 32 clients for 10 minutes, every 8th request dropped by its client after its
+first tokens, RSS required flat within 1% after a minute of warm-up):
+  python scripts/load_check.py --duration 600 --warmup 60 --disconnect-every 8 --no-baseline --max-growth 1
+
 examples:
   python scripts/load_check.py
   python scripts/load_check.py --duration 20 --baseline-duration 10 --json load.json
@@ -59,6 +63,7 @@ class Phase:
     completion_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    disconnected: int = 0  # requests the client dropped mid-stream on purpose (--disconnect-every)
 
     def error(self, text: str) -> None:
         self.errors += 1
@@ -75,6 +80,7 @@ class Phase:
             "concurrency": self.concurrency,
             "duration_s": round(self.duration_s, 2),
             "requests": self.requests,
+            "disconnected_mid_stream": self.disconnected,
             "errors": self.errors,
             "error_samples": self.error_samples,
             "completion_tokens": self.completion_tokens,
@@ -82,12 +88,17 @@ class Phase:
             "requests_per_s": round(self.requests / self.duration_s, 3) if self.duration_s else None,
             "ttft_p50_ms": pct(self.ttft, 50),
             "ttft_p95_ms": pct(self.ttft, 95),
+            "ttft_p99_ms": pct(self.ttft, 99),
             "itl_p50_ms": pct(self.itl, 50),
             "itl_p95_ms": pct(self.itl, 95),
+            "itl_p99_ms": pct(self.itl, 99),
         }
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: str, args: argparse.Namespace, phase: Phase) -> None:
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: str, args: argparse.Namespace, phase: Phase, drop: bool = False
+) -> None:
+    """One streamed request; ``drop``: the client closes the stream after its second piece of text."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -127,6 +138,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, args: ar
                     else:
                         gaps.append(now - last)
                     last = now
+                    if drop and gaps:  # leaving the `async with` closes the connection mid-stream
+                        phase.disconnected += 1
+                        return
     except (httpx.HTTPError, ValueError) as exc:
         phase.error(f"{type(exc).__name__}: {exc}")
         return
@@ -150,7 +164,8 @@ async def run_phase(
     async def client(i: int, http: httpx.AsyncClient) -> None:
         n = i
         while time.perf_counter() < deadline:
-            await one_request(http, model, PROMPTS[n % len(PROMPTS)], args, phase)
+            drop = args.disconnect_every > 0 and n % args.disconnect_every == args.disconnect_every - 1
+            await one_request(http, model, PROMPTS[n % len(PROMPTS)], args, phase, drop)
             n += concurrency
 
     started = time.perf_counter()
@@ -158,6 +173,15 @@ async def run_phase(
         await asyncio.gather(*(client(i, http) for i in range(concurrency)))
     phase.duration_s = time.perf_counter() - started  # requests in flight at the deadline are finished and counted
     return phase
+
+
+async def alive_after(url: str, key: str | None, model: str, args: argparse.Namespace) -> bool:
+    """The server survived the load (and any dropped streams): one more request completes."""
+    phase = Phase(1)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0)) as http:
+        await one_request(http, model, PROMPTS[0], args, phase)
+    return phase.requests == 1 and not phase.errors
 
 
 class MemoryWatch:
@@ -237,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="a running server (default: start hetmoe serve here)")
     p.add_argument("--api-key", default=os.environ.get("HETMOE_API_KEY"), help="bearer key for --url")
     p.add_argument("--server-pid", type=int, help="with --url: the server's pid, to report its memory")
-    p.add_argument("--model-dir", help="without --url: serve this model (default: the embedded default model)")
+    p.add_argument("--model-dir", help="without --url: serve this model directory or .gguf (default: the embedded one)")
     p.add_argument("--method", choices=("bf16", "int8", "int4"), help="without --url: experts' CPU method")
     p.add_argument("--threads", type=int, help="without --url: CPU engine threads")
     p.add_argument("--torch-threads", type=int, help="without --url: the server's torch intra-op threads")
@@ -248,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip the one-at-a-time phase")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--disconnect-every", type=int, default=0, metavar="N",
+                   help="every Nth request is dropped by its client mid-stream (default 0: none)")
+    p.add_argument("--max-growth", type=float, default=None, metavar="PCT",
+                   help="fail if the server's RSS grows more than PCT percent after warm-up")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the server to start")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     args = p.parse_args(argv)
@@ -279,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         timer.cancel()
         rss_end = watch.rss()
         after_warm = [v for t, v in watch.samples if t - t0 >= args.warmup]
+        alive_check = asyncio.run(alive_after(url, key, model, args))
         sequential = None
         if not args.no_baseline:
             print(f"one client for {args.baseline_duration:.0f} s", file=sys.stderr)
@@ -299,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "batched": batched.summary(),
         "sequential": sequential.summary() if sequential else None,
+        "alive_after": alive_check,
+        "rss_samples_mib": [(round(t - t0, 1), round(v / 2**20, 1)) for t, v in watch.samples],
         "rss_mib": {
             "start": rss_start / mib if rss_start else None,
             "after_warmup": rss_warm[0] / mib if rss_warm[0] else None,
@@ -325,11 +356,17 @@ def main(argv: list[str] | None = None) -> int:
             f"end {r['end'] or 0:.0f}"
             f" (after warm-up min {r['min_after_warmup'] or 0:.0f} / max {r['max_after_warmup'] or 0:.0f})"
         )
+    warm, end = r["after_warmup"], r["end"]
+    growth = (end - warm) / warm * 100 if warm and end else None
+    report["rss_growth_after_warmup_percent"] = round(growth, 2) if growth is not None else None
+    print(f"alive after the load: {alive_check}; RSS growth after warm-up: {growth:+.2f}%" if growth is not None
+          else f"alive after the load: {alive_check}")  # fmt: skip
     if args.json:
         tmp = Path(args.json).with_name(Path(args.json).name + ".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(args.json)
-    return 1 if batched.errors or (sequential and sequential.errors) else 0
+    too_much = args.max_growth is not None and (growth is None or growth > args.max_growth)
+    return 1 if batched.errors or (sequential and sequential.errors) or not alive_check or too_much else 0
 
 
 if __name__ == "__main__":
