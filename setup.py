@@ -54,9 +54,11 @@ class BuildWithISAFlags(build_ext):
         super().build_extensions()
 
 
-# HETMOE_SANITIZE=1: AddressSanitizer and UndefinedBehaviorSanitizer, for scripts/sanitize.sh (the
-# module then needs libasan preloaded into Python; that script does it)
-SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"] if os.environ.get("HETMOE_SANITIZE") else []
+# HETMOE_SANITIZE=1: AddressSanitizer and UndefinedBehaviorSanitizer (or the -fsanitize= list it names,
+# e.g. "address"), for scripts/sanitize.sh (the module then needs libasan preloaded into Python; that
+# script does it)
+_SANITIZERS = {"1": "address,undefined"}.get(os.environ.get("HETMOE_SANITIZE", ""), os.environ.get("HETMOE_SANITIZE"))
+SANITIZE = [f"-fsanitize={_SANITIZERS}", "-fno-omit-frame-pointer", "-g"] if _SANITIZERS else []
 
 ext_modules = []
 if platform.machine().lower() in ("x86_64", "amd64"):

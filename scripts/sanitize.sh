@@ -5,7 +5,8 @@
 #   bash scripts/sanitize.sh tests/test_amx.py -k q4_k   # other tests or pytest arguments
 # The copy lives in ${HETMOE_SANITIZE_DIR:-/tmp/hetmoe-sanitize} (the checkout's own build is left
 # alone); the first build takes a few minutes, later ones rebuild what changed. Any sanitizer report
-# ends the run with a nonzero status (halt_on_error), its stack printed.
+# ends the run with a nonzero status (halt_on_error), its stack printed. HETMOE_SANITIZE=address (or
+# another -fsanitize= list) builds with those sanitizers only.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="${HETMOE_SANITIZE_DIR:-/tmp/hetmoe-sanitize}"
@@ -14,7 +15,7 @@ py="$root/.venv/bin/python"
 mkdir -p "$work"
 # the working tree as it is (committed or not), without build outputs
 (cd "$root" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$work"
-(cd "$work" && HETMOE_SANITIZE=1 "$py" setup.py -q build_ext --inplace -j "$(nproc)" 2>&1 | grep -v "Deprecat\|corresp\|!!\|\*\*\*\|^\s*$\|license\|By 2027\|See https" || true)
+(cd "$work" && HETMOE_SANITIZE="${HETMOE_SANITIZE:-1}" "$py" setup.py -q build_ext --inplace -j "$(nproc)" 2>&1 | grep -v "Deprecat\|corresp\|!!\|\*\*\*\|^\s*$\|license\|By 2027\|See https" || true)
 [ -f "$(ls "$work"/hetmoe/_C*.so 2>/dev/null | head -1)" ] || { echo "sanitized build failed" >&2; exit 1; }
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_engine.py tests/test_cpu_linear.py tests/test_numa.py tests/test_fast_decode.py

@@ -415,7 +415,8 @@ class ExpertStore:
                 problems.append(f"layers {_short(layers)} {what}")
             if others:
                 problems.append(f"{others} {what}")
-        source = self.manifest.get("source", {}).get("path", "SRC")
+        recorded = self.manifest.get("source")  # where it was converted from, for the repair command
+        source = recorded.get("path", "SRC") if isinstance(recorded, dict) else "SRC"
         command = resume_command(source, self.path, self.method, self.params)
         raise CheckpointError(
             self.path, f"damaged hetmoe expert store: {'; '.join(problems)}; repair it with: {command}"
