@@ -24,9 +24,18 @@ cd "$work"
 PYTHONPATH="$work" "$py" -c "import hetmoe, sys; sys.exit(not hetmoe.__file__.startswith('$work'))" ||
   { echo "the sanitized copy in $work is not the hetmoe Python imports" >&2; exit 1; }
 # libasan first in the process (Python itself is not instrumented); leaks: the interpreter's own are
-# not ours to judge, so leak checking is off
+# not ours to judge, so leak checking is off. Reports go to files (pytest captures stderr, and a
+# sanitizer that halts ends the process before pytest would print it), shown below on failure.
+rm -f "$work"/sanitizer-report.*
+status=0
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
-ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=23" \
-UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=24" \
+ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=23:log_path=$work/sanitizer-report" \
+UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=24:log_path=$work/sanitizer-report" \
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$work" \
-  "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+  "$py" -m pytest -v -p no:cacheprovider "${tests[@]}" | grep -v " PASSED" || status=$?
+if ls "$work"/sanitizer-report.* > /dev/null 2>&1; then
+  echo "sanitizer reports (the test running when it halted is the last one listed above):" >&2
+  cat "$work"/sanitizer-report.* >&2
+  exit 1
+fi
+exit "$status"
