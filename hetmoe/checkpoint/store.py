@@ -46,6 +46,7 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..formats.registry import UnknownMethodError
+from .config import read_json_object
 from .errors import CheckpointError
 from .experts import PROJECTIONS, LayerExperts
 from .layout import MoELayout
@@ -265,15 +266,11 @@ def _bias(f: SafetensorsFile, name: str, shape: tuple[int, int], path: Path) -> 
 
 
 def read_json_file(path: Path, what: str) -> dict[str, Any]:
+    """A store side file's JSON object, checked as config.read_json_object checks one; ``what`` names it."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, f"cannot read the {what}: {exc}") from None
-    except RecursionError:
-        raise CheckpointError(path, f"the {what} is nested too deeply to be one") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(path, f"the {what} must hold a JSON object, found {type(data).__name__}")
-    return data
+        return read_json_object(path)
+    except CheckpointError as exc:
+        raise CheckpointError(path, f"cannot read the {what}: it {exc.problem}") from None
 
 
 def open_store(path: str | Path) -> ExpertStore:
