@@ -12,6 +12,7 @@
 
 #include "cpu_features.h"
 #include "decode_step.h"
+#include "engine_common.h"
 #include "kernels.h"
 #include "linear_engine.h"
 #include "measure.h"
@@ -476,6 +477,17 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("nta"));
   m.def("prefetch_nta", [] { return g_prefetch_nta.load() != 0; });
+  m.def(
+      "buffer_cache_stats",
+      [] {
+        py::dict d;
+        d["blocks"] = engine::buffer_cache().cached_sizes();
+        d["max_bytes"] = engine::BufferCache::kCachedBytes;
+        d["idle_gets"] = engine::BufferCache::kIdleGets;
+        d["min_bytes"] = engine::BufferCache::kMinBytes;
+        return d;
+      },
+      "the job-buffer cache: the sizes of the blocks it holds now, and its bounds (engine_common.h)");
 
   py::class_<MoEEngine>(m, "MoEEngine")
       .def(py::init([](int experts, int hidden, int intermediate, const py::tuple& gate, const py::tuple& up,

@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "cpu_features.h"
 #include "kernels.h"
 #include "method_traits.h"
@@ -30,46 +32,97 @@ namespace engine {
 // Job buffers of 1 MiB and more are kept for the next job instead of freed. A fresh allocation that
 // large is a fresh mapping whose first touch faults in and zeroes every page: a 512-token prefill of
 // a Qwen3-30B-A3B layer took 12-16 thousand page faults a forward (~60 MB of buffers), ~15% of its
-// time, before. At most kCachedBytes stay cached; a block serves requests of half its size and up.
+// time, before. A block serves requests of half its size and up.
+//
+// What stays cached is bounded twice, so a server's memory stays flat however its batch shapes vary:
+// a block not reused within the next kIdleGets large requests goes back to the system (a prefill of a
+// length seen once no longer pins its buffers), and at most kCachedBytes stay cached. Large blocks
+// are their own mappings (mmap/munmap), so what the cache lets go leaves the process at once rather
+// than staying in malloc's arenas.
 class BufferCache {
  public:
   static constexpr size_t kMinBytes = size_t(1) << 20, kCachedBytes = size_t(512) << 20;
+  // A forward of a 48-layer model asks for ~4 large buffers a MoE layer and ~1 a dense linear at
+  // prefill shapes (none at decode shapes, whose buffers are small), so ~1000 large requests are a
+  // handful of prefills.
+  static constexpr uint64_t kIdleGets = 1024;
 
-  void* get(size_t bytes) {
-    if (bytes >= kMinBytes) {
+  struct Block {
+    void* p;
+    size_t bytes;  // its true capacity: a small block's request, a large one's mapping
+  };
+
+  Block get(size_t bytes) {
+    if (bytes < kMinBytes) return {::operator new(bytes, std::align_val_t(64)), bytes};
+    bytes = (bytes + kPage - 1) / kPage * kPage;
+    {
       std::lock_guard<std::mutex> lock(mu_);
+      ++clock_;
       int best = -1;
-      for (int i = 0; i < static_cast<int>(free_.size()); ++i)
-        if (free_[i].first >= bytes && free_[i].first / 2 <= bytes && (best < 0 || free_[i].first < free_[best].first))
-          best = i;
+      for (int i = 0; i < static_cast<int>(free_.size()); ++i) {
+        const size_t have = free_[i].block.bytes;
+        if (have >= bytes && have / 2 <= bytes && (best < 0 || have < free_[best].block.bytes)) best = i;
+      }
       if (best >= 0) {
-        void* p = free_[best].second;
-        cached_ -= free_[best].first;
+        const Block b = free_[best].block;
+        cached_ -= b.bytes;
         free_.erase(free_.begin() + best);
-        return p;
+        return b;
       }
     }
-    return ::operator new(bytes, std::align_val_t(64));
+    return {map(bytes), bytes};
   }
-  // `bytes`: the size asked for when the block was got (a reused block may be larger: it is then
-  // known by the smaller size, which only ever understates what it holds).
-  void put(void* p, size_t bytes) {
-    if (bytes >= kMinBytes) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (cached_ + bytes <= kCachedBytes) {
-        free_.push_back({bytes, p});
-        cached_ += bytes;
-        return;
-      }
+
+  void put(Block b) {
+    if (b.bytes < kMinBytes) {
+      ::operator delete(b.p, std::align_val_t(64));
+      return;
     }
-    ::operator delete(p, std::align_val_t(64));
+    std::vector<Block> release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back({b, clock_});  // stamps only grow, so free_ stays oldest first
+      cached_ += b.bytes;
+      size_t old = 0;
+      while (old < free_.size() && (clock_ - free_[old].stamp > kIdleGets || cached_ > kCachedBytes)) {
+        release.push_back(free_[old].block);
+        cached_ -= free_[old].block.bytes;
+        ++old;
+      }
+      free_.erase(free_.begin(), free_.begin() + old);
+    }
+    for (const Block& r : release) unmap(r);
+  }
+
+  std::vector<size_t> cached_sizes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<size_t> sizes;
+    for (const Idle& i : free_) sizes.push_back(i.block.bytes);
+    return sizes;
   }
 
  private:
+  static constexpr size_t kPage = 4096;
+  static void* map(size_t bytes);
+  static void unmap(const Block& b);
+
+  struct Idle {
+    Block block;
+    uint64_t stamp;  // clock_ when it came back
+  };
   std::mutex mu_;
-  std::vector<std::pair<size_t, void*>> free_;
+  std::vector<Idle> free_;
   size_t cached_ = 0;
+  uint64_t clock_ = 0;  // large requests so far
 };
+
+inline void* BufferCache::map(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+
+inline void BufferCache::unmap(const Block& b) { munmap(b.p, b.bytes); }
 
 inline BufferCache& buffer_cache() {
   static BufferCache* cache = new BufferCache;  // never destroyed: jobs may finish during exit
@@ -78,7 +131,7 @@ inline BufferCache& buffer_cache() {
 
 struct Recycle {
   size_t bytes = 0;
-  void operator()(void* p) const { buffer_cache().put(p, bytes); }
+  void operator()(void* p) const { buffer_cache().put({p, bytes}); }
 };
 template <typename T>
 using Buf = std::unique_ptr<T[], Recycle>;
@@ -86,8 +139,8 @@ using Buf = std::unique_ptr<T[], Recycle>;
 // n uninitialised elements (at least one) from the buffer cache.
 template <typename T>
 Buf<T> uninit(size_t n) {
-  const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
-  return Buf<T>(static_cast<T*>(buffer_cache().get(bytes)), Recycle{bytes});
+  const BufferCache::Block b = buffer_cache().get(std::max<size_t>(n, 1) * sizeof(T));
+  return Buf<T>(static_cast<T*>(b.p), Recycle{b.bytes});
 }
 
 // A scratch vector grown to at least n elements (never shrunk: per-worker buffers keep their size).

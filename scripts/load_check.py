@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -188,9 +189,13 @@ async def alive_after(url: str, key: str | None, model: str, args: argparse.Name
 
 
 class MemoryWatch:
-    """The server's RSS, sampled every second on a thread."""
+    """The server's RSS, sampled every second on a thread, and every fifth second the bytes its
+    engine's job-buffer cache holds (the hetmoe_engine_buffer_cache_bytes gauge of /metrics): the
+    part of the RSS that is buffers kept for reuse."""
 
-    def __init__(self, pid: int | None) -> None:
+    def __init__(self, pid: int | None, metrics_url: str | None = None, headers: dict[str, str] | None = None) -> None:
+        self.metrics_url, self.headers = metrics_url, headers or {}
+        self.cache_samples: list[tuple[float, int]] = []
         self.proc = None
         if pid is not None:
             import psutil
@@ -206,11 +211,23 @@ class MemoryWatch:
         except Exception:
             return None
 
+    def cached(self) -> int | None:
+        try:
+            text = httpx.get(self.metrics_url, headers=self.headers, timeout=5).text
+        except httpx.HTTPError:
+            return None
+        found = re.search(r"^hetmoe_engine_buffer_cache_bytes (\S+)$", text, re.MULTILINE)
+        return int(float(found.group(1))) if found else None
+
     def _run(self) -> None:
+        tick = 0
         while not self._stop.wait(1.0):
             value = self.rss()
             if value is not None:
                 self.samples.append((time.perf_counter(), value))
+            tick += 1
+            if self.metrics_url and tick % 5 == 0 and (cached := self.cached()) is not None:
+                self.cache_samples.append((time.perf_counter(), cached))
 
     def start(self) -> MemoryWatch:
         self._thread.start()
@@ -275,10 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip the one-at-a-time phase")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--disconnect-every", type=int, default=0, metavar="N",
-                   help="every Nth request is dropped by its client mid-stream (default 0: none)")
-    p.add_argument("--max-growth", type=float, default=None, metavar="PCT",
-                   help="fail if the server's RSS grows more than PCT percent after warm-up")
+    p.add_argument(
+        "--disconnect-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every Nth request is dropped by its client mid-stream (default 0: none)",
+    )
+    p.add_argument(
+        "--max-growth",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="fail if the server's RSS grows more than PCT percent after warm-up",
+    )
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the server to start")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     args = p.parse_args(argv)
@@ -295,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key and args.url else {}
         model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         key = args.api_key if args.url else None
-        watch = MemoryWatch(pid).start()
+        watch = MemoryWatch(pid, url + "/metrics", headers).start()
         rss_start = watch.rss()
         print(f"model {model} at {url}: {args.concurrency} clients for {args.duration:.0f} s", file=sys.stderr)
         t0 = time.perf_counter()
@@ -333,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "sequential": sequential.summary() if sequential else None,
         "alive_after": alive_check,
         "rss_samples_mib": [(round(t - t0, 1), round(v / 2**20, 1)) for t, v in watch.samples],
+        "buffer_cache_samples_mib": [(round(t - t0, 1), round(v / 2**20, 1)) for t, v in watch.cache_samples],
         "rss_mib": {
             "start": rss_start / mib if rss_start else None,
             "after_warmup": rss_warm[0] / mib if rss_warm[0] else None,

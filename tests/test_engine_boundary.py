@@ -175,3 +175,33 @@ def test_vector_width_changes_while_jobs_run() -> None:
         stop.set()
         t.join()
         set_int_vector_bits(before)
+
+
+def test_job_buffer_cache_lets_idle_blocks_go() -> None:
+    """The cache of large job buffers (engine_common.h) keeps a block for the next job of a similar
+    size, and gives back one that idle_gets large requests have passed by, so a server's memory does
+    not keep the buffers of every batch shape it once saw. Top-2 routing of T tokens over H = 256
+    gives an fp32 output buffer of T * 2 * 256 * 4 bytes: 8 MiB at T = 4096, 1 MiB (the smallest size
+    cached) at T = 512; a block serves requests of half its size and up, so the 8 MiB one never
+    serves the 1 MiB ones."""
+    select_isa("auto")
+    ce = CPUExperts(*_layer(seed=6), gemv_max_tokens=0, verbose=False)
+    stats = engine_module().buffer_cache_stats
+
+    def run(tokens: int) -> None:
+        g = torch.Generator().manual_seed(tokens)
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+        ce.forward(torch.randn(tokens, H, generator=g), ids, torch.rand(tokens, 2, generator=g))
+
+    big, small = 4096 * 2 * H * 4, 512 * 2 * H * 4
+    assert small == stats()["min_bytes"]
+    run(4096)
+    assert big in stats()["blocks"]
+    run(4096)  # served from the cache: still one block of that size
+    assert stats()["blocks"].count(big) == 1
+    for _ in range(stats()["idle_gets"] + 1):
+        run(512)
+    blocks = stats()["blocks"]
+    assert big not in blocks and small in blocks, blocks
+    assert all(b <= 2 * small for b in blocks), blocks
+    assert sum(blocks) <= stats()["max_bytes"]

@@ -196,14 +196,14 @@ def load_model(
             experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
             bar.set_postfix_str(f"layers {index + 1}/{len(layout.moe_layers)}", refresh=False)
             bar.update(layer_keys[layer][1])
-            _release_freed_memory()  # the reader's validation and conversion temporaries
+            release_freed_memory()  # the reader's validation and conversion temporaries
             backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
             methods.add(backend.gate.method)
             hybrids[layer].attach(backend, plan.get(layer, []), experts.biases)
             if replace_every:
                 hybrids[layer].enable_replacement(replace_every, replace_margin)
             del experts
-            _release_freed_memory()
+            release_freed_memory()
     finally:  # the read-ahead thread and the bar end with the load, failed or not
         bar.close()
         reader.close()
@@ -571,7 +571,7 @@ def _materialize_leftovers(model: nn.Module, device: torch.device) -> None:
 # --- experts -------------------------------------------------------------------------------------
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the heap memory freed by a layer's temporaries back to the OS (glibc keeps freed
     blocks below its dynamic mmap threshold, and fragmentation leaves most of them unused: without
     this, resident memory grows by about two layers' worth of validation temporaries per layer)."""
