@@ -48,6 +48,17 @@ def engine_isas(variants: tuple[str, ...] = ("avx2", "avx512", "amx", "amx-emu")
     return [isa for isa in variants if feats[f"can_{isa}"]]
 
 
+def devices() -> list:
+    """Where a test of a device path (device experts, layerwise prefill, serving with a device) runs:
+    "cpu" standing in for the GPU on every machine, and "cuda" (marked ``cuda``, skipped without a
+    device) so that the same test runs on a GPU where there is one; scripts/gpu_check.sh runs
+    ``pytest -m cuda``."""
+    import torch
+
+    no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    return ["cpu", pytest.param("cuda", marks=(pytest.mark.cuda, no_gpu))]
+
+
 @pytest.fixture
 def keep_isa():
     """Puts back the variant selected before the test (HETMOE_ISA's, or the best): a test that selects

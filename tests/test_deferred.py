@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import devices
 from tiny_models import logits, rel, tokens
 from transformers import AutoModelForCausalLM
 
@@ -184,9 +185,10 @@ def test_a_forward_that_stopped_midway_is_discarded(tiny_cache) -> None:
     assert model.hetmoe.deferred.discarded == 1 and model.hetmoe.deferred.pending == 0
 
 
-def test_replacement_keeps_working_with_deferral(tiny_cache) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_replacement_keeps_working_with_deferral(device: str, tiny_cache) -> None:
     path = tiny_cache.model("qwen3_moe")
-    model = load_model(path, dtype=torch.float32, gpu_experts=2, replace_every=1, defer_experts=1)
+    model = load_model(path, dtype=torch.float32, gpu_experts=2, replace_every=1, defer_experts=1, device=device)
     exact = load_model(path, dtype=torch.float32)
     for seed in range(4):
         ids = tokens(20 + seed, (2, 16))

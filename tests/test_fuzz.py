@@ -63,6 +63,6 @@ def test_reader_survives_bounded_fuzzing(name: str, tiny_cache, tmp_path: Path) 
     report = fuzzing.fuzz(target, tmp_path, seconds=FUZZ_SECONDS, seed=1, save=tmp_path / "failures")
     print(report.line())
     assert report.cases > 0 and report.accepted + report.rejected == report.cases - len(report.failures)
-    assert not report.failures, report.line() + "\n" + "\n".join(
-        f"{f.kind} at case {f.case}: {f.message}" for f in report.failures[:5]
+    assert not report.failures, (
+        report.line() + "\n" + "\n".join(f"{f.kind} at case {f.case}: {f.message}" for f in report.failures[:5])
     )

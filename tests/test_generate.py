@@ -8,6 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from conftest import devices
+
 from hetmoe.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,12 +51,13 @@ def test_generate_streams_greedy_text_and_reports_timing(model_dir: Path, capsys
         assert "tokens/s" in line and "CPU experts" in line and "device / non-expert" in line
 
 
-def test_generate_samples_reproducibly_with_device_experts(model_dir: Path, capsys) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_generate_samples_reproducibly_with_device_experts(model_dir: Path, device: str, capsys) -> None:
     argv = ["generate", str(model_dir), "abc", "--max-new-tokens", "6", "--temperature", "0.8", "--top-p", "0.9"]
-    argv += ["--seed", "3", "--gpu-experts", "2", "--method", "int8"]
+    argv += ["--seed", "3", "--gpu-experts", "2", "--method", "int8", "--device", device]
     assert main(argv) == 0
     first, err = capsys.readouterr()
-    assert "routed experts int8" in err and "4 of them also on cpu" in err
+    assert "routed experts int8" in err and f"4 of them also on {device}" in err
     assert main(argv) == 0
     assert capsys.readouterr().out == first
 

@@ -32,6 +32,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import devices
 from tiny_models import MODEL_TYPES, logits, rel, tokens
 from transformers import AutoModelForCausalLM
 
@@ -254,13 +255,17 @@ def test_gpt_oss_torch_fallback_is_exact(tiny) -> None:
 # --- the device / CPU split ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_device_experts_split_computes_each_pair_once(model_type: str, tiny, tmp_path: Path) -> None:
+def test_device_experts_split_computes_each_pair_once(model_type: str, device: str, tiny, tmp_path: Path) -> None:
+    """fp32 throughout: bf16 experts are exact in fp32 on both paths, so only the order of sums differs
+    between the engine and the device's matmuls (1e-5; cuda's fp32 matmuls are full fp32, TF32 being
+    off by default)."""
     path = tiny(model_type)
     ids = tokens(1)
     all_cpu = logits(load_model(path, method="bf16", dtype=torch.float32), ids)
     stats = tmp_path / "routing.json"
-    model = load_model(path, method="bf16", dtype=torch.float32, gpu_experts=3, record_routing=stats)
+    model = load_model(path, method="bf16", dtype=torch.float32, gpu_experts=3, record_routing=stats, device=device)
     got = logits(model, ids)
     assert rel(got, all_cpu) <= 1e-5
     runtime = model.hetmoe
@@ -270,7 +275,7 @@ def test_device_experts_split_computes_each_pair_once(model_type: str, tiny, tmp
         on_device = torch.zeros(8, dtype=torch.bool)
         on_device[hybrid.device_ids] = True
         assert on_device.sum() == 3
-        dev, cpu = hybrid.device_experts.counts, hybrid.cpu_counts
+        dev, cpu = hybrid.device_experts.counts.cpu(), hybrid.cpu_counts.cpu()
         assert not dev[~on_device].any() and not cpu[on_device].any()
         assert (dev + cpu).tolist() == routed[str(layer)]["counts"]
         assert sum(routed[str(layer)]["counts"]) == ids.numel() * 2  # top-2 of every token
@@ -324,11 +329,12 @@ def test_choose_swaps_has_hysteresis() -> None:
     assert choose_swaps(counts, [3, 4], margin=0.25) == []
 
 
-def test_dynamic_replacement_moves_hot_experts_to_device(tiny) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_dynamic_replacement_moves_hot_experts_to_device(device: str, tiny) -> None:
     """A skewed routing trace (experts 5 and 6 take most tokens): after a few calls they are the
     device experts, and the layer's output is still the all-CPU output."""
     path = tiny("qwen3_moe")
-    model = load_model(path, dtype=torch.float32, gpu_experts=2, replace_every=2)
+    model = load_model(path, dtype=torch.float32, gpu_experts=2, replace_every=2, device=device)
     reference_model = load_model(path, dtype=torch.float32)
     layer = 1
     hybrid, plain = model.hetmoe.layers[layer], reference_model.hetmoe.layers[layer]
@@ -341,7 +347,7 @@ def test_dynamic_replacement_moves_hot_experts_to_device(tiny) -> None:
         cold = torch.randint(0, 8, (t, 2), generator=gen)
         ids = torch.where(torch.rand(t, 1, generator=gen) < 0.8, hot, cold)
         ids[:, 1] = torch.where(ids[:, 0] == ids[:, 1], (ids[:, 1] + 1) % 8, ids[:, 1])
-        return torch.full((t, 2), 0.5), ids
+        return torch.full((t, 2), 0.5, device=x.device), ids.to(x.device)
 
     for h in (hybrid, plain):
         h.adapter = type(h.adapter)(h.adapter.config)
@@ -349,7 +355,8 @@ def test_dynamic_replacement_moves_hot_experts_to_device(tiny) -> None:
     for step in range(6):
         x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(step))
         state = gen.get_state()
-        got = hybrid(x)
+        got = hybrid(x.to(device))
+        got = (got[0] if isinstance(got, tuple) else got).cpu()
         gen.set_state(state)  # the same trace for the all-CPU layer
         want = plain(x)
         assert rel(got, want) <= 1e-5

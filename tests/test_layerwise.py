@@ -25,6 +25,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import devices
 from tiny_models import logits, rel, tokens
 from transformers import AutoModelForCausalLM
 
@@ -67,23 +68,30 @@ def assert_each_pair_once(model: torch.nn.Module, fixed_placement: bool = True) 
     for layer, hybrid in model.hetmoe.layers.items():
         resident = torch.zeros(hybrid.cpu.experts, dtype=torch.bool)
         resident[hybrid.device_ids] = True
-        dev, streamed = hybrid.device_experts.counts, hybrid.streamed_counts
+        dev, streamed = hybrid.device_experts.counts.cpu(), hybrid.streamed_counts.cpu()
         assert not hybrid.cpu_counts.any(), layer
         if fixed_placement:
             assert not dev[~resident].any() and not streamed[resident].any(), layer
-        assert torch.equal(dev + streamed, routing[layer]), layer
+        assert torch.equal(dev + streamed, routing[layer].cpu()), layer
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("method", ["bf16", "int4"])
 @pytest.mark.parametrize("model_type", ARCHS)
-def test_layerwise_equals_hybrid_path(model_type: str, method: str, tiny) -> None:
+def test_layerwise_equals_hybrid_path(model_type: str, method: str, device: str, tiny) -> None:
     """Threshold below the prompt, two resident experts a layer, one expert a chunk (so each layer
     streams six chunks): the same logits as the hybrid path, each pair computed once."""
     path = tiny(model_type)
     ids = tokens()
-    want = logits(load_model(path, method=method, dtype=torch.float32, gpu_experts=2), ids)
+    want = logits(load_model(path, method=method, dtype=torch.float32, gpu_experts=2, device=device), ids)
     model = load_model(
-        path, method=method, dtype=torch.float32, gpu_experts=2, prefill_threshold=8, prefill_chunk_bytes=1
+        path,
+        method=method,
+        dtype=torch.float32,
+        gpu_experts=2,
+        prefill_threshold=8,
+        prefill_chunk_bytes=1,
+        device=device,
     )
     model.hetmoe.set_record_routing(True)
     got = logits(model, ids)
@@ -119,15 +127,17 @@ def test_stored_quantized_experts_stream_as_stored(tiny_cache, tmp_path: Path) -
         assert model.hetmoe.layerwise.stats.stored_bytes < 0.6 * model.hetmoe.layerwise.stats.device_bytes
 
 
-def test_layerwise_bf16_model_is_as_close_as_transformers_bf16(tiny) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_layerwise_bf16_model_is_as_close_as_transformers_bf16(device: str, tiny) -> None:
+    """The bf16 bound of the module docstring, with transformers' bf16 model on the same device."""
     for model_type in ARCHS:
         path = tiny(model_type)
         ids = tokens(3)
         want32 = logits(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), ids)
-        theirs16 = rel(
-            logits(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval(), ids), want32
-        )
-        ours16 = rel(logits(load_model(path, method="bf16", prefill_threshold=1, gpu_experts=1), ids), want32)
+        theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval().to(device)
+        theirs16 = rel(logits(theirs, ids), want32)
+        ours = load_model(path, method="bf16", prefill_threshold=1, gpu_experts=1, device=device)
+        ours16 = rel(logits(ours, ids), want32)
         assert ours16 <= 1.25 * theirs16 + 2**-8, (model_type, ours16, theirs16)
 
 
@@ -185,11 +195,12 @@ def _wait_for(cond, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_placement_and_replacement_keep_working(tiny) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_placement_and_replacement_keep_working(device: str, tiny) -> None:
     """Dynamic re-placement every call: the resident set changes between forwards, the logits stay
     the hybrid path's, and each pair is still computed once."""
     path = tiny("qwen3_moe")
-    model = load_model(path, dtype=torch.float32, gpu_experts=2, replace_every=1, prefill_threshold=4)
+    model = load_model(path, dtype=torch.float32, gpu_experts=2, replace_every=1, prefill_threshold=4, device=device)
     plain = load_model(path, dtype=torch.float32)
     model.hetmoe.set_record_routing(True)
     placements = []

@@ -133,7 +133,8 @@ def tokens(seed: int = 0, shape: tuple[int, int] = (2, 12), vocab: int = 128) ->
 
 @torch.no_grad()
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids).logits
+    """The model's logits for ``ids`` (moved to the model's device), on the CPU."""
+    return model(ids.to(model.device)).logits.cpu()
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:

@@ -87,7 +87,7 @@ def parse_variant(text: str) -> tuple[str, str | None]:
     return experts, dense  # "torch" keeps them in torch (load_model's opt-out)
 
 
-def _source_for(base: Path, method: str, cache_dir: Path, log: Callable[[str], None]) -> tuple[Path, str | None]:
+def expert_source(base: Path, method: str, cache_dir: Path, log: Callable[[str], None]) -> tuple[Path, str | None]:
     """Where to load ``method``'s experts from, and the method to convert to while loading.
 
     Store methods are converted once into a cached expert store (loads are then quick); GGUF types,
@@ -109,9 +109,9 @@ def _source_for(base: Path, method: str, cache_dir: Path, log: Callable[[str], N
 
 def _release() -> None:
     gc.collect()
-    from ..models.loader import _release_freed_memory
+    from ..models.loader import release_freed_memory
 
-    _release_freed_memory()
+    release_freed_memory()
 
 
 def _median_ms(times: list[float]) -> float:
@@ -367,7 +367,7 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
     if cfg.llama_gguf and cfg.llama_bench is None:
         raise ValueError("--llama-gguf needs --llama-bench (the llama-bench binary to run on them)")
     base = build_model(cfg.shape, cfg.cache_dir, cfg.seed, log)
-    sources = {m: _source_for(base, m, cfg.cache_dir, log) for m in dict.fromkeys(e for e, _ in variants)}
+    sources = {m: expert_source(base, m, cfg.cache_dir, log) for m in dict.fromkeys(e for e, _ in variants)}
     records = []
     for variant, (experts, _) in zip(cfg.variants, variants, strict=True):
         for threads in cfg.torch_threads:
