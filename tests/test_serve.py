@@ -24,6 +24,7 @@ pytest.importorskip("fastapi")
 
 import httpx
 import openai
+from conftest import devices
 from serve_process import serve_process
 from tiny_models import tiny_chat_model
 
@@ -174,6 +175,54 @@ def test_chat_equals_greedy_generate_streamed_and_not(client, reference) -> None
     r = client.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=5, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
     assert want.startswith(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_serves_with_the_model_on_a_device_and_experts_there_too(model_dir, reference, device: str) -> None:
+    """The non-expert layers and two experts a layer on ``device``, the rest in the CPU engine: the
+    greedy chat answer, streamed and not, is generate's on a copy loaded the same way (the same
+    device, so the same arithmetic)."""
+    tok = reference.tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    msgs = messages_for("Hello, how are you today?")
+    prompt = chat_ids(tok, msgs)
+    copy = load_model(model_dir, cpu_threads=1, device=device, gpu_experts=2)
+    with torch.inference_mode():
+        out = copy.generate(
+            torch.tensor([prompt], device=copy.device),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+        )
+    new = out[0, len(prompt) :].tolist()
+    want = tok.decode(
+        new[: new.index(eos) + 1] if eos in new else new, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    served = load_served_model(model_dir, name=NAME, threads=1, device=device, gpu_experts=2)
+    with BackgroundServer(build_app(served, api_key=KEY, max_batch=4, max_queue=4)) as srv:
+        cli = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        r = cli.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == want
+        stream = cli.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_the_worker_trims_the_heap_between_steps(client, monkeypatch) -> None:
+    """The scheduler hands freed heap pages back every TRIM_EVERY_S (the soak's flat RSS depends on
+    it): with the period at 0, a request's steps each call it."""
+    from hetmoe.serve import scheduler as scheduler_module
+
+    calls: list[float] = []
+    monkeypatch.setattr(scheduler_module, "TRIM_EVERY_S", 0.0)
+    monkeypatch.setattr(scheduler_module, "release_freed_memory", lambda: calls.append(time.monotonic()))
+    r = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 4
+    # Each pass of the worker's loop prefills what it admitted, runs one decode step, then trims: the
+    # prefill's pass gives tokens 1 and 2, two more passes tokens 3 and 4.
+    assert len(calls) >= 3
 
 
 def test_completions_stop_strings_across_token_boundaries(client, reference) -> None:

@@ -70,6 +70,17 @@ def test_sampling_is_greedy_at_zero_and_reproducible_with_a_seed() -> None:
     assert all(sample_token(peaked, SamplingParams(1, 1.0, top_p=0.5), make_generator(s)) == 13 for s in range(5))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1.401298464324817e-45, 1e-30, 1e-8])
+def test_a_tiny_temperature_samples_the_top_token(temperature: float) -> None:
+    """Any temperature above 0 is valid: 5e-324 is 0 in fp32 (0 / 0 is NaN), and logits / 1e-45
+    overflow fp32 to inf, whose softmax is NaN (schemathesis found both as 500s). The limit of the
+    distribution is the argmax."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3)) * 4
+    params = SamplingParams(max_tokens=1, temperature=temperature)
+    assert all(sample_token(logits, params, make_generator(s)) == int(logits.argmax()) for s in range(5))
+    assert torch.isfinite(filter_logits(logits, temperature, 0, 0.9).max())
+
+
 def test_sampling_frequencies_follow_the_distribution() -> None:
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     g = make_generator(0)

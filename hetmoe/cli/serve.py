@@ -19,8 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve a model behind an OpenAI-compatible API (chat and text completions, streaming, batching)",
         description=(
             "Loads MODEL (default: the embedded default model) with its routed experts in the CPU engine and serves "
-            "/v1/models, /v1/chat/completions and /v1/completions (streamed or not), /health and Prometheus "
-            "/metrics. Concurrent requests are decoded together in one batch (continuous batching). It binds "
+            "/v1/models, /v1/chat/completions and /v1/completions (streamed or not), /health, Prometheus "
+            "/metrics and its OpenAPI document at /openapi.json. Concurrent requests are decoded together in "
+            "one batch (continuous batching). It binds "
             f"127.0.0.1 unless told otherwise; with --api-key (or ${API_KEY_ENV}) every route but /health needs "
             "'Authorization: Bearer KEY'."
         ),

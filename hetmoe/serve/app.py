@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import Metrics
+from .openapi import openapi_document
 from .protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -43,7 +44,7 @@ from .served_model import ServedModel
 MAX_BODY_BYTES = 1 << 20
 _DRAIN_LIMIT = 16 << 20  # an oversized body is read (and dropped) up to here so the client sees the 413
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/openapi.json", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
 def build_app(
@@ -108,6 +109,12 @@ def create_app(
         if not scheduler.alive:
             return JSONResponse({"status": "error", "detail": "the generation worker is not running"}, 503)
         return JSONResponse({"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting})
+
+    document = openapi_document(served.name, served.max_model_len, api_key is not None)
+
+    @app.get("/openapi.json")
+    async def openapi_route() -> JSONResponse:
+        return JSONResponse(document)
 
     @app.get("/metrics")
     async def metrics_route() -> PlainTextResponse:
@@ -432,10 +439,19 @@ class _Gate:
                 self.metrics.requests.inc(endpoint=endpoint, status=str(status["code"]))
 
 
+def _cached_bytes() -> float:
+    from ..kernels.dispatch import engine_module
+
+    return float(sum(engine_module().buffer_cache_stats()["blocks"]))
+
+
 def _add_runtime_gauges(metrics: Metrics, scheduler: Scheduler, served: ServedModel) -> None:
     metrics.add_gauge("queue_depth", "Requests waiting for a batch slot.", lambda: scheduler.waiting)
     metrics.add_gauge("running_requests", "Requests admitted and not finished.", lambda: scheduler.running)
     metrics.add_gauge("max_batch", "The most requests one decode step runs.", lambda: scheduler.max_batch)
+    metrics.add_gauge(
+        "engine_buffer_cache_bytes", "Job buffers the CPU engine keeps for reuse (csrc/engine_common.h).", _cached_bytes
+    )
     runtime = getattr(served.model, "hetmoe", None)
     if runtime is None or not hasattr(runtime, "timing"):
         return

@@ -46,7 +46,12 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
-    scores = logits.float() / temperature
+    # Shifted so the top score is 0 (softmax does not change), then divided in float64: the API
+    # allows any temperature above 0, down to 5e-324, which in fp32 is 0 (0 / 0 is NaN) and below
+    # ~1e-38 makes the scores overflow to inf (softmax NaN). This way the top token scores 0 and the
+    # others -inf in the limit: it takes all the mass.
+    scores = logits.float()
+    scores = ((scores - scores.max()).double() / temperature).float()
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k).values[-1]
