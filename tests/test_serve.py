@@ -221,8 +221,9 @@ def test_the_worker_trims_the_heap_between_steps(client, monkeypatch) -> None:
     )
     assert r.usage.completion_tokens == 4
     # Each pass of the worker's loop prefills what it admitted, runs one decode step, then trims: the
-    # prefill's pass gives tokens 1 and 2, two more passes tokens 3 and 4.
-    assert len(calls) >= 3
+    # prefill's pass gives tokens 1 and 2, two more passes tokens 3 and 4. The last pass trims after
+    # its token went out, maybe after this answer arrived: the first two have trimmed by now.
+    assert len(calls) >= 2
 
 
 def test_completions_stop_strings_across_token_boundaries(client, reference) -> None:

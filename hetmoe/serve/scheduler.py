@@ -230,7 +230,7 @@ class Scheduler:
         glibc keeps them otherwise (anything under its dynamic mmap threshold, up to 32 MiB a block:
         KV caches, logits, activations), so the server's RSS would climb to the highest memory any
         mix of requests ever needed and stay there (+2% over a 10-minute soak of a Q4_0 GGUF,
-        scripts/load_check.py). One malloc_trim takes about a millisecond."""
+        scripts/load_check.py). A trim walks the free chunks: small next to a decode step."""
         now = time.monotonic()
         if now - self._trimmed_at >= TRIM_EVERY_S:
             self._trimmed_at = now
