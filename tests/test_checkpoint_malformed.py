@@ -460,6 +460,10 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
         ('{"eos_token_id": [1, "a"]}', ["eos_token_id must be a token id or a list of token ids"]),
         ('{"temperature": "hot"}', ["temperature must be a number, found 'hot'"]),
         ('{"pad_token_id": -1}', ["pad_token_id must be a token id"]),
+        ('{"min_p": 3}', ["min_p must be in [0, 1], found 3"]),
+        ('{"top_p": 0}', ["top_p must be in (0, 1], found 0"]),
+        ('{"repetition_penalty": 0.0}', ["repetition_penalty must be in [0.01, 10], found 0.0"]),
+        ('{"temperature": -0.5}', ["temperature must be >= 0, found -0.5"]),
     ],
 )
 def test_broken_generation_config_is_one_error(tiny_cache: TinyCache, tmp_path: Path, text: str, words: list) -> None:

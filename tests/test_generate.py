@@ -96,3 +96,49 @@ def test_generate_takes_options_between_model_and_prompt(model_dir: Path, capsys
     assert capsys.readouterr().out == between and between.strip()
     with pytest.raises(SystemExit):  # an unknown option is still argparse's error
         main(["generate", str(model_dir), "--no-such-flag", "Hello"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+        (["--temperature", "inf"], "--temperature must be finite, got inf"),
+        (["--top-k", "-2"], "--top-k must be >= 0, got -2"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1], got 1.5"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be in [0.01, 10], got 0.0"),
+    ],
+)
+def test_generate_bad_sampling_flags_are_one_line(model_dir: Path, flags: list[str], message: str, capsys) -> None:
+    assert main(["generate", str(model_dir), "x", *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_sampling_flags_act_as_transformers_generate(model_dir: Path, capsys) -> None:
+    """The tiny model has no generation_config.json, so it decodes greedily; --top-k alone turns
+    sampling on (with --seed: the tokens generate draws after torch.manual_seed), and
+    --repetition-penalty applies to greedy decoding, as generate's processor does."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hetmoe import load_model
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok("abcabc", return_tensors="pt")["input_ids"]
+    model = load_model(model_dir, cpu_threads=1)
+    base = ["generate", str(model_dir), "abcabc", "--max-new-tokens", "12", "--threads", "1"]
+
+    def expect(**options) -> str:
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=12, pad_token_id=126, **options)
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    assert main([*base, "--top-k", "20", "--seed", "4"]) == 0
+    sampled = capsys.readouterr().out.rstrip("\n")
+    torch.manual_seed(4)
+    assert sampled == expect(do_sample=True, top_k=20)
+    assert sampled != expect(do_sample=False)  # it did sample
+    assert main([*base, "--temperature", "0", "--repetition-penalty", "3"]) == 0
+    penalized = capsys.readouterr().out.rstrip("\n")
+    assert penalized == expect(do_sample=False, repetition_penalty=3.0) != expect(do_sample=False)

@@ -70,7 +70,7 @@ def reference(model_dir):
     model = load_model(model_dir, cpu_threads=1)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
 
-    def run(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> tuple[str, int, str]:
+    def run(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False, **options: Any) -> tuple[str, int, str]:
         with torch.inference_mode():
             out = model.generate(
                 torch.tensor([prompt_ids]),
@@ -78,6 +78,7 @@ def reference(model_dir):
                 do_sample=False,
                 eos_token_id=[] if ignore_eos else eos,
                 pad_token_id=tok.pad_token_id,
+                **options,
             )
         new = out[0, len(prompt_ids) :].tolist()
         reason = "length"
@@ -278,6 +279,25 @@ def test_sampling_with_a_seed_is_reproducible(client) -> None:
     assert a == b
     others = {client.completions.create(seed=s, **kwargs).choices[0].text for s in range(5)}
     assert len(others) > 1  # the seed matters
+
+
+def test_repetition_penalty_equals_transformers_generate(client, reference) -> None:
+    """vLLM's repetition_penalty field, on greedy decoding: the same tokens as generate's processor."""
+    tok = reference.tokenizer
+    prompt = "Numbers: 1 2 3 1 2 3 1 2 3"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    plain, _, _ = reference(ids, 16, ignore_eos=True)
+    want, _, _ = reference(ids, 16, ignore_eos=True, repetition_penalty=1.8)
+    assert want != plain  # the penalty changes this completion, so the comparison below can fail
+    kwargs = {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    r = client.completions.create(extra_body={"ignore_eos": True, "repetition_penalty": 1.8}, **kwargs)
+    assert r.choices[0].text == want
+    # min_p = 1 keeps only the most likely token (ties aside): sampling hot then gives greedy's text,
+    # which the same seed without min_p does not.
+    hot = {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 1.5, "seed": 5}
+    with_min_p = client.completions.create(extra_body={"ignore_eos": True, "min_p": 1.0}, **hot)
+    without = client.completions.create(extra_body={"ignore_eos": True}, **hot)
+    assert with_min_p.choices[0].text == plain != without.choices[0].text
 
 
 # --- batching ---------------------------------------------------------------------------------------

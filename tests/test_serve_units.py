@@ -22,7 +22,14 @@ from hetmoe.serve.protocol import (
     parse_json,
     validate,
 )
-from hetmoe.serve.sampling import SamplingParams, filter_logits, make_generator, sample_token
+from hetmoe.serve.sampling import (
+    SamplingParams,
+    SeenTokens,
+    filter_logits,
+    make_generator,
+    penalize_repetition,
+    sample_token,
+)
 from hetmoe.serve.stops import IncrementalDetokenizer, OutputText, StopMatcher
 
 
@@ -37,10 +44,26 @@ def tokenizer(tiny_cache):
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8), (0.5, 20, 0.6)]
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (0.7, 0, 1.0, 0.0),
+        (1.3, 5, 1.0, 0.0),
+        (0.9, 0, 0.8, 0.0),
+        (0.5, 20, 0.6, 0.0),
+        (0.7, 40, 0.95, 0.05),
+        (1.0, 0, 1.0, 0.1),
+        (1.5, 0, 0.9, 0.02),
+    ],
 )
-def test_filtered_distribution_matches_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+def test_filtered_distribution_matches_transformers_warpers(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     logits = torch.randn(200, generator=torch.Generator().manual_seed(1)) * 3
     ref = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
@@ -48,11 +71,45 @@ def test_filtered_distribution_matches_transformers_warpers(temperature: float, 
         ref = TopKLogitsWarper(top_k)(None, ref)
     if top_p < 1:
         ref = TopPLogitsWarper(top_p)(None, ref)
-    ours = filter_logits(logits, temperature, top_k, top_p)
+    if min_p:
+        ref = MinPLogitsWarper(min_p)(None, ref)
+    ours = filter_logits(logits, temperature, top_k, top_p, min_p)
     assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
     torch.testing.assert_close(ours.softmax(-1), ref[0].softmax(-1))
     kept = int((~torch.isinf(ours)).sum())
-    assert kept < 200 if (top_k or top_p < 1) else kept == 200
+    assert kept < 200 if (top_k or top_p < 1 or min_p) else kept == 200
+
+
+@pytest.mark.parametrize("penalty", [1.1, 1.5, 0.8])
+def test_repetition_penalty_matches_transformers(penalty: float) -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3)) * 2
+    history = [5, 17, 5, 99, 0, 42, 17]  # repeats count once, as in transformers
+    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), logits[None].clone())[0]
+    ours = penalize_repetition(logits, history, penalty)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    assert not torch.equal(ours, logits) and torch.equal(penalize_repetition(logits, history, 1.0), logits)
+    assert torch.equal(penalize_repetition(logits, [], penalty), logits)
+    # The scheduler's running set, built from the prompt and grown a token at a time, gives the same;
+    # ids outside the logits row (a tokenizer's added tokens) are ignored.
+    seen = SeenTokens(history[:3] + [100, 5000])
+    assert torch.equal(penalize_repetition(logits, seen, penalty), penalize_repetition(logits, history[:3], penalty))
+    for token in history[3:]:
+        seen.add(token)
+    assert torch.equal(penalize_repetition(logits, seen, penalty), ref)
+
+
+def test_repetition_penalty_steers_greedy_and_sampled_tokens() -> None:
+    logits = torch.zeros(10)
+    logits[3], logits[4] = 2.0, 1.9  # 3 leads; once seen, 2.0 / 1.1 = 1.82 falls behind 4's 1.9
+    greedy = SamplingParams(1, temperature=0.0, repetition_penalty=1.1)
+    assert sample_token(logits, greedy, make_generator(0)) == 3
+    assert sample_token(logits, greedy, make_generator(0), seen=[3, 3]) == 4
+    assert sample_token(logits, SamplingParams(1, temperature=0.0), make_generator(0), seen=[3]) == 3
+    # min-p 0.5 keeps only the tokens at least half as likely as the top one: 3 and 4 here.
+    hot = SamplingParams(1, temperature=1.0, min_p=0.5, repetition_penalty=1.0)
+    assert {sample_token(logits, hot, make_generator(s)) for s in range(40)} == {3, 4}
 
 
 def test_sampling_is_greedy_at_zero_and_reproducible_with_a_seed() -> None:
@@ -169,6 +226,11 @@ def _chat(**fields):
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 11.0}, "repetition_penalty"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
@@ -273,3 +335,34 @@ def test_no_event_reaches_a_request_after_its_failure() -> None:
         t.join()
         failed = [i for i, e in enumerate(got) if isinstance(e, Failed)]
         assert failed == [len(got) - 1], (failed, len(got))
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
+    from hetmoe.checkpoint import CheckpointError
+    from hetmoe.serve.app import _sampling
+    from hetmoe.serve.protocol import CompletionRequest
+    from hetmoe.serve.served_model import SamplingDefaults, ServedModel, _sampling_defaults
+
+    assert _sampling_defaults(tmp_path) == SamplingDefaults()  # OpenAI's when there is no file
+    config = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    d = _sampling_defaults(tmp_path)
+    assert (d.temperature, d.top_k, d.top_p, d.min_p, d.repetition_penalty) == (0.7, 40, 0.95, 0.05, 1.1)
+    # A request that leaves a field out gets the model's value, one that sets it its own.
+    served = ServedModel("m", None, None, None, 64, frozenset(), 100, defaults=d)
+    params = _sampling(served, CompletionRequest(model="m", prompt="x"), [1, 2], None, None)
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
+        0.7,
+        40,
+        0.95,
+        0.05,
+        1.1,
+    )
+    req = CompletionRequest(model="m", prompt="x", temperature=0.0, min_p=0.0, repetition_penalty=1.0)
+    params = _sampling(served, req, [1, 2], None, None)
+    assert (params.temperature, params.min_p, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    # Values no sampler takes are the loader's one-line error naming the file, not silently dropped.
+    for bad in ({"min_p": 3}, {"repetition_penalty": 0}, {"top_p": 0.0}, {"temperature": -1}):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=rf"generation_config.json.*{next(iter(bad))} must be"):
+            _sampling_defaults(tmp_path)

@@ -12,6 +12,7 @@ HybridMoE), the part of it the caller spent blocked waiting for the CPU, and eve
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             '  hetmoe generate /models/Qwen3-30B-A3B "Hi" --method int4 --dense-method int8 --threads 2\n'
             '  hetmoe generate /models/Qwen3-30B-A3B "$(cat long.txt)" --device cuda --prefill-threshold 512 '
             "--defer-experts 1\n"
-            '  hetmoe generate ./tiny "abc" --max-new-tokens 16 --temperature 0.7 --top-p 0.9 --seed 1'
+            '  hetmoe generate ./tiny "abc" --max-new-tokens 16 --temperature 0.7 --top-p 0.9 --seed 1\n'
+            '  hetmoe generate "def fibonacci(n):" --temperature 0            # greedy'
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -106,9 +108,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="each token's K lowest-scored CPU experts finish during the next MoE layer (approximate; default 0)",
     )
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --temperature > 0)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help=(
+            "0 = greedy (the most likely token after the repetition penalty); > 0 samples. "
+            "Default: the model's generation_config.json (the embedded model samples at 0.7 with top-k 40, "
+            "top-p 0.95, min-p 0.05 and a repetition penalty of 1.1), greedy where it has none"
+        ),
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens (0 = all)"
+    )
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass, in (0, 1]")
+    p.add_argument(
+        "--min-p", type=float, default=None, metavar="P", help="drop tokens under P times the top one's probability"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        metavar="R",
+        help="divide the scores of tokens already in the text by R (> 1 discourages repeats; 1 = off)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, metavar="N", help="seed for sampling (the same seed, the same text)"
+    )
     p.add_argument(
         "-v",
         "--verbose",
@@ -133,10 +160,16 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     model = check_model_path(args.model)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    from ..models.generation_config import sampling_range_problem
+
+    for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(args, key)
+        problem = None if value is None else sampling_range_problem(key, value)
+        if problem or (value is not None and not math.isfinite(value)):
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{flag} {problem or 'must be finite'}, got {value}")
     if args.gpu_experts < 0:
         raise ValueError(f"--gpu-experts must be >= 0, got {args.gpu_experts}")
     if args.prefill_threshold is not None and args.prefill_threshold < 0:
@@ -144,6 +177,22 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
     if args.defer_experts < 0:
         raise ValueError(f"--defer-experts must be >= 0, got {args.defer_experts}")
     return model, args.prompt
+
+
+def _sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """What the flags change in the model's generation config (the loader read generation_config.json
+    into it; transformers' defaults, greedy, where there is none). ``--temperature 0`` is greedy, the
+    model's repetition penalty still applied as transformers and vLLM apply it; a temperature, top-k,
+    top-p or min-p given otherwise turns sampling on."""
+    sampling: dict[str, Any] = {}
+    if args.repetition_penalty is not None:
+        sampling["repetition_penalty"] = args.repetition_penalty
+    if args.temperature == 0:
+        return {**sampling, "do_sample": False}
+    for key in ("temperature", "top_k", "top_p", "min_p"):
+        if getattr(args, key) is not None:
+            sampling.update({key: getattr(args, key), "do_sample": True})
+    return sampling
 
 
 def _streamer(tokenizer: Any, runtime: Any) -> Any:
@@ -223,11 +272,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = int(inputs["input_ids"].shape[1])
     if prompt_tokens == 0:
         raise ValueError(f"{model_dir}: the tokenizer turned the prompt {prompt!r} into no tokens")
-    sampling: dict[str, Any] = {"do_sample": False}
-    if args.temperature > 0:
-        sampling = {"do_sample": True, "temperature": args.temperature}
-        if args.top_p is not None:
-            sampling["top_p"] = args.top_p
+    sampling = _sampling_overrides(args)
     from ..runtime.kv_cache import growing_cache
 
     streamer = _streamer(tokenizer, runtime)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, TensorSource, open_source
-from ..checkpoint.config import read_config, read_json_object
+from ..checkpoint.config import read_config
 from ..checkpoint.convert import expert_keys
 from ..checkpoint.experts import LayerExperts, read_layer_experts
 from ..checkpoint.layout import MoELayout, moe_layout
@@ -49,6 +49,7 @@ from .dense_engine import STORED, DenseConverter, resolve_dense_method
 from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
+from .generation_config import load_generation_config
 from .mla_attention import install_mla, weight_read_linears
 from .paths import layer_paths
 from .planner import plan_memory
@@ -217,7 +218,7 @@ def load_model(
         fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
         install_fast_decode(model)  # one-token decoder layers without transformers' glue (fast_decode.py)
         install_mla(model, adapter)  # latent attention in the absorbed form (mla_attention.py)
-    _load_generation_config(model, directory)
+    load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(
         layers=hybrids,
@@ -360,53 +361,6 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def _load_generation_config(model: nn.Module, directory: Path) -> None:
-    """The model's generation_config.json, where it has one; a file that is not a JSON object of
-    generation settings is one CheckpointError naming it (transformers raises a multi-line OSError)."""
-    path = directory / "generation_config.json"
-    if not path.exists():
-        return
-    from transformers import GenerationConfig
-
-    raw = read_json_object(path)
-    for key, value in raw.items():
-        problem = _generation_field_problem(key, value)
-        if problem:
-            raise CheckpointError(path, f"{key} {problem}, found {value!r}")
-    try:
-        model.generation_config = GenerationConfig.from_dict(raw)  # its __init__ validates
-    except (ValueError, TypeError, AttributeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(path, f"is not a valid generation config: {first}") from None
-
-
-_GENERATION_INTS = ("max_new_tokens", "max_length", "min_length", "min_new_tokens", "num_beams", "top_k")
-_GENERATION_FLOATS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "length_penalty")
-_GENERATION_TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
-
-
-def _generation_field_problem(key: str, value: Any) -> str | None:
-    """What is wrong with one generation_config.json field that generation compares or indexes with
-    (None: nothing, or not one of those fields); null means unset, as transformers reads it."""
-    if value is None:
-        return None
-
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if key in _GENERATION_INTS and not (is_int(value) and value >= 0):
-        return "must be a non-negative integer"
-    if key in _GENERATION_FLOATS and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return "must be a number"
-    if key in _GENERATION_FLOATS and not math.isfinite(value):
-        return "must be finite"
-    if key in _GENERATION_TOKENS:
-        ids = value if isinstance(value, list) else [value]
-        if not ids or not all(is_int(v) and v >= 0 for v in ids):
-            return "must be a token id or a list of token ids"
-    return None
 
 
 # --- the model's structure -----------------------------------------------------------------------

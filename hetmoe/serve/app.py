@@ -243,6 +243,8 @@ def _sampling(
         temperature=d.temperature if req.temperature is None else req.temperature,
         top_p=d.top_p if req.top_p is None else req.top_p,
         top_k=d.top_k if req.top_k is None else max(0, req.top_k),
+        min_p=d.min_p if req.min_p is None else req.min_p,
+        repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         stop=req.stop_strings(),
         ignore_eos=req.ignore_eos,

@@ -1,7 +1,7 @@
 """The server's OpenAPI 3.1 document, served at ``/openapi.json``.
 
 Request bodies are protocol.py's own models (the ones requests are validated by), narrowed where the
-server refuses what the model would parse: ``n`` other than 1, penalties, logit_bias, logprobs,
+server refuses what the model would parse: ``n`` other than 1, presence and frequency penalties, logit_bias, logprobs,
 tools, echo, suffix, best_of (check_supported), ``stream_options`` without ``stream`` and the one
 model name served. Responses are described by the models below, the objects the app sends
 (app.py's ``_Shape``), closed (``additionalProperties: false``), so a client or a schema fuzzer

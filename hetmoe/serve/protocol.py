@@ -5,7 +5,8 @@ JSON) and every problem becomes an :class:`ApiError` naming the field, what was 
 was found; the app turns it into ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status. Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send newer
 parameters keep working; known parameters this server cannot honour (``n`` > 1, logprobs, tools,
-penalties, logit_bias, ...) are refused with a 400 rather than silently ignored.
+presence and frequency penalties, logit_bias, ...) are refused with a 400 rather than silently
+ignored; vLLM's ``min_p`` and ``repetition_penalty`` are taken.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from ..models.generation_config import REPETITION_PENALTY_MAX, REPETITION_PENALTY_MIN
 
 MAX_STOP_STRINGS = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -52,6 +55,9 @@ PositiveInt = Annotated[StrictInt, Field(ge=1)]
 Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 TopK = Annotated[StrictInt, Field(ge=-1)]
+MinP = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+# Above 1 discourages what was seen, below 1 encourages it (models/generation_config.py says why the bounds).
+RepetitionPenalty = Annotated[StrictFloat, Field(ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)]
 Seed = Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]
 StopString = Annotated[StrictStr, Field(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
@@ -73,6 +79,8 @@ class _SamplingRequest(_Strict):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None  # not in OpenAI's API; vLLM's spelling. -1 or 0: off
+    min_p: MinP | None = None  # vLLM's extension; 0: off
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension; 1: off
     seed: Seed | None = None
     stop: Stop | None = None
     n: StrictInt | None = None

@@ -1,14 +1,17 @@
-"""Choosing the next token: greedy, or sampled with temperature, top-k and top-p.
+"""Choosing the next token: greedy, or sampled with temperature, top-k, top-p and min-p, after a
+repetition penalty.
 
 Each request owns a ``torch.Generator`` (seeded from ``seed`` when given), so a seeded request
-draws the same tokens whatever else is running in its batch. The filters apply in the order
-transformers' ``generate`` applies its warpers (temperature, then top-k, then top-p), so the
-distribution sampled from is the one ``generate`` would sample from.
+draws the same tokens whatever else is running in its batch. The steps apply in the order
+transformers' ``generate`` applies its processors (the repetition penalty, then temperature, top-k,
+top-p, min-p), so the distribution sampled from is the one ``generate`` would sample from.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1): no top-k filter
+    min_p: float = 0.0  # 0: no min-p filter
+    repetition_penalty: float = 1.0  # 1: none
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -38,11 +43,51 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """fp32 logits ``[V]`` scaled by 1/temperature, with the tokens top-k and top-p drop set to -inf.
+class SeenTokens:
+    """The tokens a request's text holds (prompt and output), with a mask over the vocabulary that
+    each new token updates in place: the repetition penalty reads it every step without walking the text."""
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        self.ids = set(ids)
+        self._mask: torch.Tensor | None = None
+
+    def add(self, token: int) -> None:
+        self.ids.add(token)
+        if self._mask is not None and 0 <= token < self._mask.numel():
+            self._mask[token] = True
+
+    def mask_for(self, logits: torch.Tensor) -> torch.Tensor:
+        """The mask ``[V]`` for a row of logits ``[V]``; ids outside ``[0, V)`` are ignored, as in transformers."""
+        vocab = logits.shape[-1]
+        if self._mask is None or self._mask.numel() != vocab or self._mask.device != logits.device:
+            ids = torch.tensor([i for i in self.ids if 0 <= i < vocab], dtype=torch.long)
+            self._mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            self._mask[ids.to(logits.device)] = True
+        return self._mask
+
+
+def penalize_repetition(logits: torch.Tensor, seen: Iterable[int] | SeenTokens, penalty: float) -> torch.Tensor:
+    """fp32 logits ``[V]`` with every token of ``seen`` (the prompt's and the output's) made less likely.
+
+    The CTRL paper's rule, as transformers' RepetitionPenaltyLogitsProcessor and vLLM apply it: a
+    seen token's logit is divided by ``penalty`` where positive and multiplied where negative, once
+    however often it was seen. Ids outside ``[0, V)`` are ignored.
+    """
+    scores = logits.float()
+    if penalty == 1.0:
+        return scores
+    mask = (seen if isinstance(seen, SeenTokens) else SeenTokens(seen)).mask_for(scores)
+    return torch.where(mask, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """fp32 logits ``[V]`` scaled by 1/temperature, with the tokens top-k, top-p and min-p drop set to -inf.
 
     top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p`` (always
-    at least one token), as transformers' TopPLogitsWarper does.
+    at least one token), as transformers' TopPLogitsWarper does; min-p then drops the tokens less
+    likely than ``min_p`` times the most likely one (MinPLogitsWarper).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
@@ -65,13 +110,24 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        # log(min_p * p_top) = log(min_p) + the top score's log-probability; the top token stays.
+        logp = scores.log_softmax(-1)
+        scores = scores.masked_fill(logp < logp.max() + math.log(min_p), float("-inf"))
     return scores
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The next token from one row of logits ``[V]``."""
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen: Iterable[int] | SeenTokens = (),
+) -> int:
+    """The next token from one row of logits ``[V]``; ``seen`` (the prompt's and the output's tokens)
+    feeds the repetition penalty, which applies to greedy decoding too, as in transformers and vLLM."""
+    logits = penalize_repetition(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = filter_logits(logits, params.temperature, params.top_k, params.top_p)
+    scores = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     probs = scores.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

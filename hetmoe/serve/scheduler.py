@@ -38,7 +38,7 @@ import torch
 from ..models.loader import release_freed_memory
 from .kv_batch import PaddedBatch, batchable
 from .metrics import Metrics
-from .sampling import SamplingParams, make_generator, sample_token
+from .sampling import SamplingParams, SeenTokens, make_generator, sample_token
 from .stops import OutputText
 
 log = logging.getLogger("hetmoe.serve")
@@ -91,6 +91,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     output: OutputText | None = None
     generator: torch.Generator | None = None
+    seen: SeenTokens | None = None  # the prompt's and output's tokens, for the repetition penalty
     cache: Any = None  # its own cache, only when the model's caches cannot be batched
     last_token_at: float = 0.0
     done: bool = False
@@ -307,7 +308,11 @@ class Scheduler:
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Sample ``seq``'s next token, send the text it completes; True when ``seq`` finished."""
         assert seq.output is not None and seq.generator is not None
-        token = sample_token(logits, seq.params, seq.generator)
+        if seq.seen is None and seq.params.repetition_penalty != 1.0:
+            seq.seen = SeenTokens(seq.prompt_ids)
+        token = sample_token(logits, seq.params, seq.generator, seq.seen or ())
+        if seq.seen is not None:
+            seq.seen.add(token)
         now = time.perf_counter()
         with self.metrics.lock:
             self.metrics.generation_tokens.inc()

@@ -7,12 +7,12 @@ worker thread decodes generated tokens, and a Rust tokenizer shared between thre
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..models.generation_config import read_generation_config
 from ..models.tokenizer import model_files_dir
 from .protocol import ApiError, ChatMessage
 
@@ -24,6 +24,8 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -121,19 +123,13 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def _sampling_defaults(directory: Path) -> SamplingDefaults:
-    """The sampling values generation_config.json spells out (what vLLM does), else OpenAI's defaults."""
+    """The sampling values generation_config.json spells out (vLLM's rule), else OpenAI's defaults; a
+    value out of range is the loader's CheckpointError (models/generation_config.py), not ignored."""
+    raw = read_generation_config(directory) or {}
     defaults = SamplingDefaults()
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return defaults
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return defaults
-    if isinstance(raw.get("temperature"), (int, float)) and 0 <= raw["temperature"] <= 2:
-        defaults.temperature = float(raw["temperature"])
-    if isinstance(raw.get("top_p"), (int, float)) and 0 < raw["top_p"] <= 1:
-        defaults.top_p = float(raw["top_p"])
-    if isinstance(raw.get("top_k"), int) and raw["top_k"] >= 0:
+    for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if raw.get(key) is not None:
+            setattr(defaults, key, float(raw[key]))
+    if raw.get("top_k") is not None:
         defaults.top_k = int(raw["top_k"])
     return defaults
