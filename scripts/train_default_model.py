@@ -5,7 +5,8 @@ Everything comes from this machine, offline: the training text is the Python sta
 sources (found with ``sysconfig.get_paths()["stdlib"]``, files in sorted order, test packages and
 huge generated files skipped) plus synthetic ChatML conversations built from them ("What does
 `json.dumps` do?" answered with the docstring's first paragraph; "Write a Python function named
-`x`" answered with its source). A byte-level BPE tokenizer is trained on the same text. A fixed
+`x`" answered with its source); the standard library's own test suite adds code to the language
+model's stream only. A byte-level BPE tokenizer is trained on the library and chat text. A fixed
 slice of modules (chosen by a hash of the module name, so it never depends on the seed) is held
 out: its loss gives the reported perplexity and its first 64 KB become ``heldout.txt``.
 
@@ -13,12 +14,13 @@ The run is deterministic for a given ``--seed`` on a given machine (same Python 
 thread count): data order, initialisation and batch sampling all derive from the seed.
 
 Output (``--out``, default ``hetmoe/assets/default_model``) is built in a temporary directory beside
-the target and renamed into place only when complete: config.json, generation_config.json,
-model.safetensors (bf16), tokenizer.json, tokenizer_config.json (with the ChatML chat template),
-training_report.json and heldout.txt.
+the target and renamed into place only when complete: config.json, generation_config.json
+(SAMPLING_DEFAULTS: how `hetmoe generate` and `hetmoe chat` sample from it), model.safetensors
+(bf16), tokenizer.json, tokenizer_config.json (with the ChatML chat template), training_report.json
+and heldout.txt.
 
 examples:
-  python scripts/train_default_model.py                       # the shipped model (20 min on a busy 2-core box)
+  python scripts/train_default_model.py                       # the shipped model (~95 min on a 2-core box)
   python scripts/train_default_model.py --seed 1 --steps 300 --out /tmp/m
   python scripts/train_default_model.py --smoke --out /tmp/smoke   # seconds: a tiny model, for tests
 """
@@ -53,7 +55,27 @@ CHAT_TEMPLATE = (
 # Directories whose modules are tests, not library code; files above MAX_FILE_BYTES are generated
 # tables (pydoc_data/topics.py, the encodings' charmaps are skipped by directory).
 SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "encodings", "turtledemo"}
+# The standard library's own test suite (Lib/test, idlelib/idle_test: 15 MB, more than the library
+# itself) is Python of the same kind and licence. It feeds only the language-model stream: the
+# tokenizer, the chat examples and the held-out split stay those of the library modules, so the
+# held-out perplexity is measured on the same modules with the same tokenizer as before.
+TEST_DIRS = ("test", "idlelib/idle_test")
 MAX_FILE_BYTES = 200_000
+# How `hetmoe generate` and `hetmoe chat` sample from this model unless told otherwise, written into
+# generation_config.json: llama.cpp's top-k 40, top-p 0.95 and min-p 0.05, a repetition penalty, and
+# transformers' n-gram ban, without which a model this small loops on a phrase ("Line Line Line ...":
+# a penalty divides a looping token's score once, which does not stop it). Picked on the README's
+# prompt over 30 seeded runs each of the shipped model in int4 and bf16 (docs/quality.md): with
+# the penalty alone (1.1), 7 and 5 of 30 repeated a word 3-gram more than twice; with the 4-gram ban, 0.
+SAMPLING_DEFAULTS = {
+    "do_sample": True,
+    "temperature": 0.9,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "no_repeat_ngram_size": 4,
+}
 HELDOUT_BUCKETS = 20  # 1 in 20 modules is held out
 HELDOUT_TXT_BYTES = 64 * 1024
 
@@ -73,14 +95,15 @@ class Recipe:
     moe_intermediate_size: int = 96
     seq_len: int = 256
     batch_size: int = 16
-    chat_rows: int = 5  # rows of each batch that start at a chat example
-    steps: int = 800
+    chat_rows: int = 4  # rows of each batch that start at a chat example
+    steps: int = 5600
     lr: float = 3e-3
     warmup: int = 60
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.01
     max_files: int = 0  # 0 = every file
     eval_windows: int = 160
+    stdlib_tests: bool = True  # add TEST_DIRS to the training code stream
 
 
 SMOKE = Recipe(
@@ -99,6 +122,7 @@ SMOKE = Recipe(
     warmup=2,
     max_files=12,
     eval_windows=4,
+    stdlib_tests=False,
 )
 
 
@@ -109,6 +133,23 @@ SMOKE = Recipe(
 class Module:
     name: str
     text: str
+
+
+def stdlib_tests() -> list[Module]:
+    """The standard library's test modules (TEST_DIRS), sorted by path, oversized files skipped."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    tests: list[Module] = []
+    for top in TEST_DIRS:
+        for path in sorted((root / top).rglob("*.py")):
+            if "__pycache__" in path.parts or path.stat().st_size > MAX_FILE_BYTES:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip():
+                tests.append(Module(".".join(path.relative_to(root).with_suffix("").parts), text))
+    return tests
 
 
 def stdlib_modules(max_files: int = 0) -> list[Module]:
@@ -343,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seeds initialisation, data order and batches (default 0)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; the bits depend on it)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; the bits depend on it)")
     p.add_argument("--smoke", action="store_true", help="tiny model, few files, few steps: a check, not a model")
     return p.parse_args(argv)
 
@@ -372,8 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     chat_texts = [render_chat(c) for c in convs]
     order = list(train)
     rng.shuffle(order)
+    tests = stdlib_tests() if recipe.stdlib_tests else []
+    rng.shuffle(tests)
     print(
         f"data: {len(train)} training modules ({sum(len(m.text) for m in train) / 1e6:.1f} MB), "
+        f"{len(tests)} test modules ({sum(len(m.text) for m in tests) / 1e6:.1f} MB, code stream only), "
         f"{len(held)} held out, {len(chat_texts)} chat examples",
         flush=True,
     )
@@ -390,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             flat += [*enc.ids, eot]
         return torch.tensor(flat, dtype=torch.long), starts
 
-    code, _ = stream([m.text for m in order])
+    code, _ = stream([m.text for m in order + tests])
     chat, chat_starts = stream(chat_texts)
     held_tokens, _ = stream([m.text for m in held])
     print(
@@ -466,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": f"directories {sorted(SKIP_DIRS)}, config-*, _sysconfigdata*, files > {MAX_FILE_BYTES} bytes",
             "heldout_rule": f"sha256(module name) % {HELDOUT_BUCKETS} == 0",
             "train_modules": len(train),
+            "test_modules_code_only": len(tests),
             "heldout_modules": [m.name for m in held],
             "chat_examples": len(chat_texts),
             "chat_recipe": "What does `mod.name` do? -> docstring's first paragraph; "
@@ -482,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_dir(args.out) as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp)
         GenerationConfig(
-            eos_token_id=[ids["<|im_end|>"], eot], pad_token_id=eot, do_sample=False, max_new_tokens=128
+            eos_token_id=[ids["<|im_end|>"], eot], pad_token_id=eot, max_new_tokens=128, **SAMPLING_DEFAULTS
         ).save_pretrained(tmp)
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")

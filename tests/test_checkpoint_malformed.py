@@ -464,6 +464,7 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
         ('{"top_p": 0}', ["top_p must be in (0, 1], found 0"]),
         ('{"repetition_penalty": 0.0}', ["repetition_penalty must be in [0.01, 10], found 0.0"]),
         ('{"temperature": -0.5}', ["temperature must be >= 0, found -0.5"]),
+        ('{"no_repeat_ngram_size": 2.5}', ["no_repeat_ngram_size must be a non-negative integer, found 2.5"]),
     ],
 )
 def test_broken_generation_config_is_one_error(tiny_cache: TinyCache, tmp_path: Path, text: str, words: list) -> None:

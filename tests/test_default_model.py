@@ -121,18 +121,55 @@ def test_generate_cli_uses_the_default_model(model_dir: Path, tokenizer, capsys)
     from hetmoe import load_model
 
     argv = ["generate", PROMPT, "--method", "int4", "--max-new-tokens", "8", "--threads", "1"]
-    assert main(argv) == 0
+    assert main([*argv, "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert str(model_dir) in err and "routed experts int4" in err and "tokens/s" in err
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     model = load_model(model_dir, method="int4", cpu_threads=1)
     want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.rstrip("\n") == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).rstrip("\n")
+    # Without --temperature it samples as generation_config.json says, reproducibly with --seed.
+    assert main([*argv, "--seed", "3"]) == 0
+    sampled = capsys.readouterr().out
+    torch.manual_seed(3)
+    want = model.generate(ids, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)  # the config's sampling
+    assert model.generation_config.do_sample
+    assert sampled.rstrip("\n") == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).rstrip("\n")
 
     assert main(["generate", "--chat", "What does `len` do?", "--max-new-tokens", "4", "--threads", "1"]) == 0
     assert "prefill: " in capsys.readouterr().err
     assert main(["generate"]) == 1
     assert "no prompt" in capsys.readouterr().err
+
+
+def test_generation_config_samples_with_a_repetition_penalty(model_dir: Path) -> None:
+    """The defaults `hetmoe generate` and `hetmoe chat` use; the training script writes them."""
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    want = _load_script().SAMPLING_DEFAULTS
+    assert {k: config.get(k) for k in want} == want
+    assert config["do_sample"] is True and config["repetition_penalty"] > 1 and 0 < config["min_p"] < 1
+
+
+def _word_trigram_counts(text: str) -> dict[tuple[str, ...], int]:
+    words = text.split()
+    counts: dict[tuple[str, ...], int] = {}
+    for i in range(len(words) - 2):
+        key = tuple(words[i : i + 3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("method", ["int4", None])  # the README's command, and the stored bf16
+def test_readme_command_does_not_repeat_itself(method: str | None, capsys) -> None:
+    """The README's main command with its defaults (64 new tokens, generation_config.json's sampling),
+    seeded: no word 3-gram occurs more than twice."""
+    argv = ["generate", "def fibonacci(n):", "--seed", "0", "--threads", "1"]
+    assert main(argv + (["--method", method] if method else [])) == 0
+    out, err = capsys.readouterr()
+    assert f"routed experts {method or 'bf16'}" in err
+    assert "decode: 63 tokens" in err, err  # 64 new tokens: the first comes out of prefill
+    worst = max(_word_trigram_counts(out).items(), key=lambda kv: kv[1], default=((), 0))
+    assert worst[1] <= 2, (worst, out)
 
 
 def _load_script():

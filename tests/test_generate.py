@@ -107,6 +107,7 @@ def test_generate_takes_options_between_model_and_prompt(model_dir: Path, capsys
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
         (["--min-p", "1.5"], "--min-p must be in [0, 1], got 1.5"),
         (["--repetition-penalty", "0"], "--repetition-penalty must be in [0.01, 10], got 0.0"),
+        (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size must be >= 0, got -1"),
     ],
 )
 def test_generate_bad_sampling_flags_are_one_line(model_dir: Path, flags: list[str], message: str, capsys) -> None:
@@ -142,3 +143,6 @@ def test_generate_sampling_flags_act_as_transformers_generate(model_dir: Path, c
     assert main([*base, "--temperature", "0", "--repetition-penalty", "3"]) == 0
     penalized = capsys.readouterr().out.rstrip("\n")
     assert penalized == expect(do_sample=False, repetition_penalty=3.0) != expect(do_sample=False)
+    assert main([*base, "--temperature", "0", "--no-repeat-ngram-size", "2"]) == 0
+    banned = capsys.readouterr().out.rstrip("\n")
+    assert banned == expect(do_sample=False, no_repeat_ngram_size=2) != expect(do_sample=False)

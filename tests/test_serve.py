@@ -292,6 +292,11 @@ def test_repetition_penalty_equals_transformers_generate(client, reference) -> N
     kwargs = {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0}
     r = client.completions.create(extra_body={"ignore_eos": True, "repetition_penalty": 1.8}, **kwargs)
     assert r.choices[0].text == want
+    # transformers' n-gram ban, greedy: the same tokens as generate's processor.
+    banned, _, _ = reference(ids, 16, ignore_eos=True, no_repeat_ngram_size=2)
+    assert banned != plain
+    body = {"ignore_eos": True, "no_repeat_ngram_size": 2}
+    assert client.completions.create(extra_body=body, **kwargs).choices[0].text == banned
     # min_p = 1 keeps only the most likely token (ties aside): sampling hot then gives greedy's text,
     # which the same seed without min_p does not.
     hot = {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 1.5, "seed": 5}

@@ -23,6 +23,7 @@ from hetmoe.serve.protocol import (
     validate,
 )
 from hetmoe.serve.sampling import (
+    NGramBan,
     SamplingParams,
     SeenTokens,
     filter_logits,
@@ -93,11 +94,34 @@ def test_repetition_penalty_matches_transformers(penalty: float) -> None:
     assert torch.equal(penalize_repetition(logits, [], penalty), logits)
     # The scheduler's running set, built from the prompt and grown a token at a time, gives the same;
     # ids outside the logits row (a tokenizer's added tokens) are ignored.
-    seen = SeenTokens(history[:3] + [100, 5000])
+    seen = SeenTokens([*history[:3], 100, 5000])
     assert torch.equal(penalize_repetition(logits, seen, penalty), penalize_repetition(logits, history[:3], penalty))
     for token in history[3:]:
         seen.add(token)
     assert torch.equal(penalize_repetition(logits, seen, penalty), ref)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ngram_ban_matches_transformers(n: int) -> None:
+    """Each step's banned tokens are those NoRepeatNGramLogitsProcessor sets to -inf, over a text
+    with repeats, grown a token at a time from a prompt as the scheduler grows it."""
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+    text = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 5, 6]
+    ban = NGramBan(n, text[:3])
+    for length in range(3, len(text) + 1):
+        ref = NoRepeatNGramLogitsProcessor(n)(torch.tensor([text[:length]]), torch.zeros(1, 12))[0]
+        assert ban.banned() == torch.isinf(ref).nonzero().flatten().tolist(), (n, length)
+        if length < len(text):
+            ban.add(text[length])
+    assert NGramBan(3, [5, 6, 7, 5, 6]).banned() == [7]  # "5 6 7" again is what a 3-gram ban stops
+    logits = torch.zeros(12)
+    logits[7] = 5.0
+    greedy = SamplingParams(1, temperature=0.0)
+    assert sample_token(logits, greedy, make_generator(0), ngrams=NGramBan(3, [5, 6, 7, 5, 6])) != 7
+    assert sample_token(logits, greedy, make_generator(0)) == 7
+    with pytest.raises(ValueError, match="no_repeat_ngram_size must be >= 1"):
+        NGramBan(0)
 
 
 def test_repetition_penalty_steers_greedy_and_sampled_tokens() -> None:
@@ -231,6 +255,8 @@ def _chat(**fields):
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": 1e-300}, "repetition_penalty"),
         ({"repetition_penalty": 11.0}, "repetition_penalty"),
+        ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+        ({"no_repeat_ngram_size": 1.5}, "no_repeat_ngram_size"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
@@ -345,9 +371,10 @@ def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
 
     assert _sampling_defaults(tmp_path) == SamplingDefaults()  # OpenAI's when there is no file
     config = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
-    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "no_repeat_ngram_size": 4}))
     d = _sampling_defaults(tmp_path)
     assert (d.temperature, d.top_k, d.top_p, d.min_p, d.repetition_penalty) == (0.7, 40, 0.95, 0.05, 1.1)
+    assert d.no_repeat_ngram_size == 4
     # A request that leaves a field out gets the model's value, one that sets it its own.
     served = ServedModel("m", None, None, None, 64, frozenset(), 100, defaults=d)
     params = _sampling(served, CompletionRequest(model="m", prompt="x"), [1, 2], None, None)
@@ -361,8 +388,17 @@ def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
     req = CompletionRequest(model="m", prompt="x", temperature=0.0, min_p=0.0, repetition_penalty=1.0)
     params = _sampling(served, req, [1, 2], None, None)
     assert (params.temperature, params.min_p, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert _sampling(served, CompletionRequest(model="m", prompt="x"), [1], None, None).no_repeat_ngram_size == 4
+    req = CompletionRequest(model="m", prompt="x", no_repeat_ngram_size=0)
+    assert _sampling(served, req, [1], None, None).no_repeat_ngram_size == 0
     # Values no sampler takes are the loader's one-line error naming the file, not silently dropped.
-    for bad in ({"min_p": 3}, {"repetition_penalty": 0}, {"top_p": 0.0}, {"temperature": -1}):
+    for bad in (
+        {"min_p": 3},
+        {"repetition_penalty": 0},
+        {"top_p": 0.0},
+        {"temperature": -1},
+        {"no_repeat_ngram_size": -1},
+    ):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=rf"generation_config.json.*{next(iter(bad))} must be"):
             _sampling_defaults(tmp_path)

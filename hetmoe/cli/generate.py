@@ -115,8 +115,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="T",
         help=(
             "0 = greedy (the most likely token after the repetition penalty); > 0 samples. "
-            "Default: the model's generation_config.json (the embedded model samples at 0.7 with top-k 40, "
-            "top-p 0.95, min-p 0.05 and a repetition penalty of 1.1), greedy where it has none"
+            "Default: the model's generation_config.json (the embedded model samples at 0.9 with top-k 40, "
+            "top-p 0.95, min-p 0.05, a repetition penalty of 1.1 and no repeated 4-token run), greedy where it has none"
         ),
     )
     p.add_argument(
@@ -132,6 +132,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="R",
         help="divide the scores of tokens already in the text by R (> 1 discourages repeats; 1 = off)",
+    )
+    p.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="never repeat N tokens in a row that the text already holds (0 = off; the embedded model: 4)",
     )
     p.add_argument(
         "--seed", type=int, default=None, metavar="N", help="seed for sampling (the same seed, the same text)"
@@ -162,6 +169,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.top_k is not None and args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.no_repeat_ngram_size is not None and args.no_repeat_ngram_size < 0:
+        raise ValueError(f"--no-repeat-ngram-size must be >= 0, got {args.no_repeat_ngram_size}")
     from ..models.generation_config import sampling_range_problem
 
     for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -182,11 +191,12 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
 def _sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """What the flags change in the model's generation config (the loader read generation_config.json
     into it; transformers' defaults, greedy, where there is none). ``--temperature 0`` is greedy, the
-    model's repetition penalty still applied as transformers and vLLM apply it; a temperature, top-k,
+    model's repetition penalty and n-gram ban still applied as transformers applies them; a temperature, top-k,
     top-p or min-p given otherwise turns sampling on."""
     sampling: dict[str, Any] = {}
-    if args.repetition_penalty is not None:
-        sampling["repetition_penalty"] = args.repetition_penalty
+    for key in ("repetition_penalty", "no_repeat_ngram_size"):
+        if getattr(args, key) is not None:
+            sampling[key] = getattr(args, key)
     if args.temperature == 0:
         return {**sampling, "do_sample": False}
     for key in ("temperature", "top_k", "top_p", "min_p"):

@@ -21,7 +21,7 @@ from ..checkpoint.config import read_json_object
 # any penalty > 0, transformers any > 0 as well.
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 10.0
 
-_INTS = ("max_new_tokens", "max_length", "min_length", "min_new_tokens", "num_beams", "top_k")
+_INTS = ("max_new_tokens", "max_length", "min_length", "min_new_tokens", "num_beams", "top_k", "no_repeat_ngram_size")
 _FLOATS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "length_penalty")
 _TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
 # The sampling values' ranges, as (low, high, whether low itself is allowed).

@@ -245,6 +245,7 @@ def _sampling(
         top_k=d.top_k if req.top_k is None else max(0, req.top_k),
         min_p=d.min_p if req.min_p is None else req.min_p,
         repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
+        no_repeat_ngram_size=d.no_repeat_ngram_size if req.no_repeat_ngram_size is None else req.no_repeat_ngram_size,
         seed=req.seed,
         stop=req.stop_strings(),
         ignore_eos=req.ignore_eos,

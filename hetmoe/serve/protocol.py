@@ -6,7 +6,8 @@ was found; the app turns it into ``{"error": {"message", "type", "param", "code"
 status. Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send newer
 parameters keep working; known parameters this server cannot honour (``n`` > 1, logprobs, tools,
 presence and frequency penalties, logit_bias, ...) are refused with a 400 rather than silently
-ignored; vLLM's ``min_p`` and ``repetition_penalty`` are taken.
+ignored; vLLM's ``min_p`` and ``repetition_penalty`` and transformers' ``no_repeat_ngram_size`` are
+taken.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ TopK = Annotated[StrictInt, Field(ge=-1)]
 MinP = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
 # Above 1 discourages what was seen, below 1 encourages it (models/generation_config.py says why the bounds).
 RepetitionPenalty = Annotated[StrictFloat, Field(ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)]
+NGramSize = Annotated[StrictInt, Field(ge=0, le=64)]
 Seed = Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]
 StopString = Annotated[StrictStr, Field(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
@@ -81,6 +83,7 @@ class _SamplingRequest(_Strict):
     top_k: TopK | None = None  # not in OpenAI's API; vLLM's spelling. -1 or 0: off
     min_p: MinP | None = None  # vLLM's extension; 0: off
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension; 1: off
+    no_repeat_ngram_size: NGramSize | None = None  # transformers' generate option; 0: off
     seed: Seed | None = None
     stop: Stop | None = None
     n: StrictInt | None = None

@@ -27,6 +27,7 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1): no top-k filter
     min_p: float = 0.0  # 0: no min-p filter
     repetition_penalty: float = 1.0  # 1: none
+    no_repeat_ngram_size: int = 0  # n > 0: no n tokens in a row occur twice in the text
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -64,6 +65,35 @@ class SeenTokens:
             self._mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             self._mask[ids.to(logits.device)] = True
         return self._mask
+
+
+class NGramBan:
+    """transformers' ``no_repeat_ngram_size`` (NoRepeatNGramLogitsProcessor) for one request: no
+    ``n`` tokens in a row may occur twice in the text (prompt and output). The (n-1)-token prefixes
+    seen so far map to the tokens that followed them, grown a token at a time, so a step's banned
+    tokens are one lookup of the text's last n-1 tokens."""
+
+    def __init__(self, n: int, ids: Iterable[int] = ()) -> None:
+        if n < 1:
+            raise ValueError(f"no_repeat_ngram_size must be >= 1, got {n}")
+        self.n = n
+        self.text: list[int] = []
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+        for token in ids:
+            self.add(token)
+
+    def add(self, token: int) -> None:
+        self.text.append(token)
+        if len(self.text) >= self.n:
+            prefix = tuple(self.text[len(self.text) - self.n : -1])
+            self.followers.setdefault(prefix, set()).add(token)
+
+    def banned(self) -> list[int]:
+        """The tokens that would end an n-gram the text already holds."""
+        if len(self.text) < self.n - 1:
+            return []
+        prefix = tuple(self.text[len(self.text) - self.n + 1 :]) if self.n > 1 else ()
+        return sorted(self.followers.get(prefix, ()))
 
 
 def penalize_repetition(logits: torch.Tensor, seen: Iterable[int] | SeenTokens, penalty: float) -> torch.Tensor:
@@ -122,10 +152,15 @@ def sample_token(
     params: SamplingParams,
     generator: torch.Generator,
     seen: Iterable[int] | SeenTokens = (),
+    ngrams: NGramBan | None = None,
 ) -> int:
     """The next token from one row of logits ``[V]``; ``seen`` (the prompt's and the output's tokens)
-    feeds the repetition penalty, which applies to greedy decoding too, as in transformers and vLLM."""
+    feeds the repetition penalty and ``ngrams`` the n-gram ban, which apply to greedy decoding too,
+    as in transformers (and vLLM, for the penalty)."""
     logits = penalize_repetition(logits, seen, params.repetition_penalty)
+    banned = [t for t in ngrams.banned() if 0 <= t < logits.shape[-1]] if ngrams is not None else []
+    if banned:
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
     if params.greedy:
         return int(torch.argmax(logits))
     scores = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)

@@ -38,7 +38,7 @@ import torch
 from ..models.loader import release_freed_memory
 from .kv_batch import PaddedBatch, batchable
 from .metrics import Metrics
-from .sampling import SamplingParams, SeenTokens, make_generator, sample_token
+from .sampling import NGramBan, SamplingParams, SeenTokens, make_generator, sample_token
 from .stops import OutputText
 
 log = logging.getLogger("hetmoe.serve")
@@ -92,6 +92,7 @@ class Sequence:
     output: OutputText | None = None
     generator: torch.Generator | None = None
     seen: SeenTokens | None = None  # the prompt's and output's tokens, for the repetition penalty
+    ngrams: NGramBan | None = None  # their n-grams, for no_repeat_ngram_size
     cache: Any = None  # its own cache, only when the model's caches cannot be batched
     last_token_at: float = 0.0
     done: bool = False
@@ -310,9 +311,12 @@ class Scheduler:
         assert seq.output is not None and seq.generator is not None
         if seq.seen is None and seq.params.repetition_penalty != 1.0:
             seq.seen = SeenTokens(seq.prompt_ids)
-        token = sample_token(logits, seq.params, seq.generator, seq.seen or ())
-        if seq.seen is not None:
-            seq.seen.add(token)
+        if seq.ngrams is None and seq.params.no_repeat_ngram_size > 0:
+            seq.ngrams = NGramBan(seq.params.no_repeat_ngram_size, seq.prompt_ids)
+        token = sample_token(logits, seq.params, seq.generator, seq.seen or (), seq.ngrams)
+        for history in (seq.seen, seq.ngrams):
+            if history is not None:
+                history.add(token)
         now = time.perf_counter()
         with self.metrics.lock:
             self.metrics.generation_tokens.inc()

@@ -26,6 +26,7 @@ class SamplingDefaults:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
 
 
 @dataclass
@@ -130,6 +131,7 @@ def _sampling_defaults(directory: Path) -> SamplingDefaults:
     for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if raw.get(key) is not None:
             setattr(defaults, key, float(raw[key]))
-    if raw.get("top_k") is not None:
-        defaults.top_k = int(raw["top_k"])
+    for key in ("top_k", "no_repeat_ngram_size"):
+        if raw.get(key) is not None:
+            setattr(defaults, key, int(raw[key]))
     return defaults
