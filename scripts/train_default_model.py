@@ -507,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": asdict(recipe),
         "data": {
             "source": f"Python {sys.version.split()[0]} standard library sources (sysconfig stdlib path)",
-            "skipped": f"directories {sorted(SKIP_DIRS)}, config-*, _sysconfigdata*, files > {MAX_FILE_BYTES} bytes",
+            "skipped": f"directories {sorted(SKIP_DIRS)}, config-*, _sysconfigdata*, files > {MAX_FILE_BYTES} bytes"
+            + (f" (the test directories {list(TEST_DIRS)} feed the code stream only)" if recipe.stdlib_tests else ""),
             "heldout_rule": f"sha256(module name) % {HELDOUT_BUCKETS} == 0",
             "train_modules": len(train),
             "test_modules_code_only": len(tests),

@@ -103,6 +103,7 @@ def test_generate_takes_options_between_model_and_prompt(model_dir: Path, capsys
     [
         (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
         (["--temperature", "inf"], "--temperature must be finite, got inf"),
+        (["--min-p", "nan"], "--min-p must be finite, got nan"),
         (["--top-k", "-2"], "--top-k must be >= 0, got -2"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
         (["--min-p", "1.5"], "--min-p must be in [0, 1], got 1.5"),

@@ -114,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="T",
         help=(
-            "0 = greedy (the most likely token after the repetition penalty); > 0 samples. "
+            "0 = greedy (the most likely token after the repetition penalty and n-gram ban); > 0 samples. "
             "Default: the model's generation_config.json (the embedded model samples at 0.9 with top-k 40, "
             "top-p 0.95, min-p 0.05, a repetition penalty of 1.1 and no repeated 4-token run), greedy where it has none"
         ),
@@ -131,7 +131,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="R",
-        help="divide the scores of tokens already in the text by R (> 1 discourages repeats; 1 = off)",
+        help="make tokens already in the text less likely: scores divided by R if positive, times R if negative "
+        "(> 1 discourages repeats; 1 = off)",
     )
     p.add_argument(
         "--no-repeat-ngram-size",
@@ -175,10 +176,11 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
 
     for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
         value = getattr(args, key)
-        problem = None if value is None else sampling_range_problem(key, value)
-        if problem or (value is not None and not math.isfinite(value)):
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(f"{flag} {problem or 'must be finite'}, got {value}")
+        if value is None:
+            continue
+        problem = sampling_range_problem(key, value) if math.isfinite(value) else "must be finite"
+        if problem:
+            raise ValueError(f"--{key.replace('_', '-')} {problem}, got {value}")
     if args.gpu_experts < 0:
         raise ValueError(f"--gpu-experts must be >= 0, got {args.gpu_experts}")
     if args.prefill_threshold is not None and args.prefill_threshold < 0:

@@ -3,8 +3,9 @@ values that hetmoe's samplers (transformers' generate for ``hetmoe generate``, s
 the server) accept.
 
 A field that generation compares or indexes with is checked here, so a broken file is one
-CheckpointError naming it instead of transformers' multi-line OSError or a failure mid-generation;
-the same ranges bound the CLI's flags and the server's request fields.
+CheckpointError naming it instead of transformers' multi-line OSError or a failure mid-generation.
+The CLI's flags take the same ranges; the server's request fields take them too, within OpenAI's
+narrower ones where it has them (temperature up to 2).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Choosing the next token: greedy, or sampled with temperature, top-k, top-p and min-p, after a
-repetition penalty.
+repetition penalty and an n-gram ban.
 
 Each request owns a ``torch.Generator`` (seeded from ``seed`` when given), so a seeded request
 draws the same tokens whatever else is running in its batch. The steps apply in the order
-transformers' ``generate`` applies its processors (the repetition penalty, then temperature, top-k,
-top-p, min-p), so the distribution sampled from is the one ``generate`` would sample from.
+transformers' ``generate`` applies its processors (the repetition penalty, the n-gram ban, then
+temperature, top-k, top-p, min-p), so the distribution sampled from is the one ``generate`` would sample from.
 """
 
 from __future__ import annotations
