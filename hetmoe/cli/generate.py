@@ -12,7 +12,6 @@ HybridMoE), the part of it the caller spent blocked waiting for the CPU, and eve
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -172,15 +171,12 @@ def _check_args(args: argparse.Namespace) -> tuple[Path, str]:
         raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
     if args.no_repeat_ngram_size is not None and args.no_repeat_ngram_size < 0:
         raise ValueError(f"--no-repeat-ngram-size must be >= 0, got {args.no_repeat_ngram_size}")
-    from ..models.generation_config import sampling_range_problem
+    from ..models.generation_config import field_problem
 
     for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
-        value = getattr(args, key)
-        if value is None:
-            continue
-        problem = sampling_range_problem(key, value) if math.isfinite(value) else "must be finite"
+        problem = field_problem(key, getattr(args, key))  # the ranges a generation_config.json may hold
         if problem:
-            raise ValueError(f"--{key.replace('_', '-')} {problem}, got {value}")
+            raise ValueError(f"--{key.replace('_', '-')} {problem}, got {getattr(args, key)}")
     if args.gpu_experts < 0:
         raise ValueError(f"--gpu-experts must be >= 0, got {args.gpu_experts}")
     if args.prefill_threshold is not None and args.prefill_threshold < 0:

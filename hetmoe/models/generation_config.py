@@ -34,7 +34,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
-def sampling_range_problem(key: str, value: float) -> str | None:
+def _range_problem(key: str, value: float) -> str | None:
     """What is wrong with a sampling value (temperature, top_p, min_p, repetition_penalty), or None."""
     if key not in _RANGES:
         return None
@@ -61,7 +61,7 @@ def field_problem(key: str, value: Any) -> str | None:
             return "must be a number"
         if not math.isfinite(value):
             return "must be finite"
-        return sampling_range_problem(key, value)
+        return _range_problem(key, value)
     if key in _TOKENS:
         ids = value if isinstance(value, list) else [value]
         if not ids or not all(is_int(v) and v >= 0 for v in ids):

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import fields
 from functools import wraps
 from typing import Any
 
@@ -237,15 +238,13 @@ def _sampling(
             param="max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens",
             code="context_length_exceeded",
         )
-    d = served.defaults
+    # Each sampling value the request leaves out is the model's (generation_config.json, as vLLM).
+    values = {f.name: getattr(served.defaults, f.name) for f in fields(served.defaults)}
+    values.update({k: v for k in values if (v := getattr(req, k)) is not None})
+    values["top_k"] = max(0, values["top_k"])  # -1 (vLLM's "off") is 0 here
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=d.temperature if req.temperature is None else req.temperature,
-        top_p=d.top_p if req.top_p is None else req.top_p,
-        top_k=d.top_k if req.top_k is None else max(0, req.top_k),
-        min_p=d.min_p if req.min_p is None else req.min_p,
-        repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
-        no_repeat_ngram_size=d.no_repeat_ngram_size if req.no_repeat_ngram_size is None else req.no_repeat_ngram_size,
+        **values,
         seed=req.seed,
         stop=req.stop_strings(),
         ignore_eos=req.ignore_eos,
