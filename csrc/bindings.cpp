@@ -570,10 +570,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
       .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,
-                       float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router) {
+                       float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router, int qk_norm,
+                       int64_t rotary_dim) {
              // A decoder layer's attention half for one token (decode_step.h); norms: four (weight
-             // pointer, eps, mode) for the input, q, k and post-attention norms. Weights in `dtype`
-             // stay owned by Python (hetmoe/models/fast_decode.py keeps them with the block).
+             // pointer, eps, mode) for the input, q, k and post-attention norms (q and k: (0, 0, 0)
+             // under qk_norm 0). Weights in `dtype` stay owned by Python (hetmoe/models/fast_decode.py
+             // keeps them with the block).
              if (!g_selected) throw py::value_error("select_isa() must be called first");
              if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("DecodeAttentionBlock: dtype must be 0 or 1");
              if (hidden <= 0 || D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || norms.size() != 4)
@@ -583,17 +585,26 @@ PYBIND11_MODULE(_C, m) {
              if (!o_proj || o_proj->cols() != heads * D || o_proj->rows() != hidden)
                throw py::value_error("DecodeAttentionBlock: o_proj must map heads * D to hidden");
              if (router && router->cols() != hidden) throw py::value_error("DecodeAttentionBlock: router input");
+             if (qk_norm < kQKNormNone || qk_norm > kQKNormProjection)
+               throw py::value_error("DecodeAttentionBlock: qk_norm must be 0 (none), 1 (per head) or 2 (projection)");
+             if (rotary_dim <= 0 || rotary_dim > D || rotary_dim % 2)
+               throw py::value_error("DecodeAttentionBlock: rotary_dim must be even and in [2, dim]");
              NormSpec spec[4];
              for (int i = 0; i < 4; ++i) {
                const py::tuple n = norms[i].cast<py::tuple>();
                spec[i] = {reinterpret_cast<const void*>(n[0].cast<uintptr_t>()), n[1].cast<float>(), n[2].cast<int>()};
+               const bool used = i == 0 || i == 3 || qk_norm != kQKNormNone;
+               if (used && (!spec[i].weight || spec[i].mode < kNormCastThenScale || spec[i].mode > kNormOffsetScale))
+                 throw py::value_error("DecodeAttentionBlock: norm " + std::to_string(i) + " needs a weight and a mode");
              }
-             return new DecodeAttentionBlock{g_selected, dtype,   hidden,  heads, kv_heads, D,      spec[0],
-                                             spec[1],    spec[2], spec[3], scale, qkv,      o_proj, router};
+             return new DecodeAttentionBlock{g_selected, dtype,   hidden,  heads,   kv_heads, D,      spec[0],
+                                             spec[1],    spec[2], spec[3], qk_norm, rotary_dim, scale, qkv,
+                                             o_proj,     router};
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
-           py::keep_alive<1, 9>(), py::keep_alive<1, 10>(), py::keep_alive<1, 11>())
+           py::arg("qk_norm"), py::arg("rotary_dim"), py::keep_alive<1, 9>(),
+           py::keep_alive<1, 10>(), py::keep_alive<1, 11>())
       .def(
           "run",
           [](const DecodeAttentionBlock& b, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,

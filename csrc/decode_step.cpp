@@ -49,23 +49,54 @@ void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int
   job->wait();
 }
 
+namespace {
+
+// Rotary embedding of `heads` rows of D values, the first `rot` of each rotated and the rest copied.
+void rope_heads(const void* x, const void* cos, const void* sin, void* out, int dtype, int64_t heads, int64_t D,
+                int64_t rot) {
+  if (rot == D) {
+    rope(x, cos, sin, out, dtype, 1, heads, 1, D, true);
+    return;
+  }
+  const size_t elem = dtype == kBF16Data ? 2 : 4;
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint8_t* src = static_cast<const uint8_t*>(x) + size_t(h) * D * elem;
+    uint8_t* dst = static_cast<uint8_t*>(out) + size_t(h) * D * elem;
+    rope(src, cos, sin, dst, dtype, 1, 1, 1, rot, true);
+    std::memcpy(dst + rot * elem, src + rot * elem, (D - rot) * elem);
+  }
+}
+
+}  // namespace
+
 void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, int64_t heads, int64_t kv_heads,
-                           int64_t D, const NormSpec& q_norm, const NormSpec& k_norm, const void* cos,
-                           const void* sin, const KVRows& kv, float scale, void* out) {
+                           int64_t D, int qk_norm, const NormSpec& q_norm, const NormSpec& k_norm,
+                           int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv, float scale,
+                           void* out) {
   const size_t elem = dtype == kBF16Data ? 2 : 4;
   const uint8_t* src = static_cast<const uint8_t*>(qkv);
   thread_local std::vector<uint8_t> normed, rotated;
   thread_local std::vector<float> qf, of;
   normed.resize(size_t(heads + kv_heads) * D * elem);
   rotated.resize(normed.size());
-  uint8_t* qn = normed.data();
-  uint8_t* kn = qn + size_t(heads) * D * elem;
+  const uint8_t* qn = src;
+  const uint8_t* kn = src + size_t(heads) * D * elem;
+  if (qk_norm != kQKNormNone) {
+    uint8_t* q_out = normed.data();
+    uint8_t* k_out = q_out + size_t(heads) * D * elem;
+    // Per head: rows of D; over the projection: one row of all the heads' values.
+    const bool per_head = qk_norm == kQKNormPerHead;
+    rms_norm(qn, q_norm.weight, q_out, dtype, per_head ? heads : 1, per_head ? D : heads * D, q_norm.eps,
+             q_norm.mode);
+    rms_norm(kn, k_norm.weight, k_out, dtype, per_head ? kv_heads : 1, per_head ? D : kv_heads * D, k_norm.eps,
+             k_norm.mode);
+    qn = q_out;
+    kn = k_out;
+  }
   uint8_t* qr = rotated.data();
   uint8_t* kr = qr + size_t(heads) * D * elem;
-  rms_norm(src, q_norm.weight, qn, dtype, heads, D, q_norm.eps, q_norm.mode);
-  rms_norm(src + size_t(heads) * D * elem, k_norm.weight, kn, dtype, kv_heads, D, k_norm.eps, k_norm.mode);
-  rope(qn, cos, sin, qr, dtype, 1, heads, 1, D, true);
-  rope(kn, cos, sin, kr, dtype, 1, kv_heads, 1, D, true);
+  rope_heads(qn, cos, sin, qr, dtype, heads, D, rotary_dim);
+  rope_heads(kn, cos, sin, kr, dtype, kv_heads, D, rotary_dim);
   const uint8_t* v_src = src + size_t(heads + kv_heads) * D * elem;
   for (int64_t h = 0; h < kv_heads; ++h) {
     std::memcpy(kv.k + (h * kv.k_head_stride + kv.position * kv.k_row_stride) * elem, kr + size_t(h) * D * elem,
@@ -106,8 +137,8 @@ void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, 
   o.resize(size_t(hidden) * elem);
   rms_norm(x, input_norm.weight, h.data(), dtype, 1, hidden, input_norm.eps, input_norm.mode);
   linear(qkv, h.data(), dtype, qkv_row.data(), dtype);
-  decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, q_norm, k_norm, cos, sin, kv, scale,
-                        attn.data());
+  decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, qk_norm, q_norm, k_norm, rotary_dim, cos,
+                        sin, kv, scale, attn.data());
   linear(o_proj, attn.data(), dtype, o.data(), dtype);
   // The residual add as torch adds two tensors of the dtype: in fp32, rounded once.
   thread_local std::vector<float> a, b;

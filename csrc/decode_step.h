@@ -40,11 +40,21 @@ struct NormSpec {
   int mode;
 };
 
-// qkv [(H + 2 KV) * D] in `dtype` (0 fp32, 1 bf16): q and k RMS-normed and rotated (cos, sin [D]),
-// k and v appended at kv.position, then the query over rows [0, position]; out [H * D] in `dtype`.
+// Where a family RMS-normalises q and k (the norms' weights are q_norm/k_norm):
+enum QKNorm : int {
+  kQKNormNone = 0,        // Qwen2-MoE, Mixtral, GLM-4-MoE without use_qk_norm
+  kQKNormPerHead = 1,     // Qwen3-MoE, GLM-4-MoE with use_qk_norm: each head's D values
+  kQKNormProjection = 2,  // OLMoE, MiniMax-M2: the whole projection (H * D, KV * D) before the heads split
+};
+
+// qkv [(H + 2 KV) * D] in `dtype` (0 fp32, 1 bf16): q and k RMS-normed as `qk_norm` says, their first
+// `rotary_dim` values of each head rotated (cos, sin [rotary_dim]; the rest pass through, as
+// transformers' partial rotary does), k and v appended at kv.position, then the query over rows
+// [0, position]; out [H * D] in `dtype`.
 void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, int64_t heads, int64_t kv_heads,
-                           int64_t D, const NormSpec& q_norm, const NormSpec& k_norm, const void* cos,
-                           const void* sin, const KVRows& kv, float scale, void* out);
+                           int64_t D, int qk_norm, const NormSpec& q_norm, const NormSpec& k_norm,
+                           int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv, float scale,
+                           void* out);
 
 // A decoder layer's attention half for one token (shapes checked by the Python side once, when it
 // makes the block, and the per-step pointers by hetmoe/models/fast_decode.py).
@@ -53,6 +63,8 @@ struct DecodeAttentionBlock {
   int dtype;  // of the hidden states and every weight the step touches
   int64_t hidden, heads, kv_heads, D;
   NormSpec input_norm, q_norm, k_norm, post_norm;
+  int qk_norm;         // QKNorm; q_norm and k_norm are unused under kQKNormNone
+  int64_t rotary_dim;  // even, <= D: the leading values of each head that rotate
   float scale;
   LinearEngine* qkv;     // [hidden] -> [(H + 2 KV) * D]
   LinearEngine* o_proj;  // [H * D] -> [hidden]

@@ -94,9 +94,33 @@ def _block(dtype: torch.dtype = torch.float32):
     o = CPULinear(get_codec("bf16").quantize(torch.randn(hidden, heads * d, generator=g) * 0.1))
     norms = [torch.ones(hidden), torch.ones(d), torch.ones(d), torch.ones(hidden)]
     block = engine_module().DecodeAttentionBlock(
-        0, hidden, heads, kv, d, tuple((n.data_ptr(), 1e-6, 0) for n in norms), 0.25, qkv._engine, o._engine, None
-    )
+        0, hidden, heads, kv, d, tuple((n.data_ptr(), 1e-6, 0) for n in norms), 0.25, qkv._engine, o._engine, None,
+        qk_norm=1, rotary_dim=d,
+    )  # fmt: skip
     return block, (qkv, o, norms), (heads, kv, d, hidden)
+
+
+def test_decode_block_refuses_bad_norms_and_rotary() -> None:
+    select_isa("auto")
+    _, (qkv, o, norms), (heads, kv, d, hidden) = _block()
+    specs = [(n.data_ptr(), 1e-6, 0) for n in norms]
+    make = engine_module().DecodeAttentionBlock
+    args = (0, hidden, heads, kv, d)
+    for qk_norm, rotary_dim, message in (
+        (3, d, "qk_norm must be 0"),
+        (-1, d, "qk_norm must be 0"),
+        (1, d + 2, "rotary_dim must be even"),
+        (1, 7, "rotary_dim must be even"),
+        (1, 0, "rotary_dim must be even"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make(*args, tuple(specs), 0.25, qkv._engine, o._engine, None, qk_norm=qk_norm, rotary_dim=rotary_dim)
+    absent = (0, 0.0, 0)
+    with pytest.raises(ValueError, match="norm 1 needs a weight"):  # q/k norms asked for, none given
+        make(*args, (specs[0], absent, absent, specs[3]), 0.25, qkv._engine, o._engine, None, qk_norm=2, rotary_dim=d)
+    with pytest.raises(ValueError, match="norm 3 needs a weight and a mode"):
+        make(*args, (*specs[:3], (specs[3][0], 1e-6, 7)), 0.25, qkv._engine, o._engine, None, qk_norm=1, rotary_dim=d)
+    make(*args, (specs[0], absent, absent, specs[3]), 0.25, qkv._engine, o._engine, None, qk_norm=0, rotary_dim=8)
 
 
 @pytest.mark.parametrize("position", [-1, 8, 9, 1 << 40])

@@ -5,17 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetmoe.runtime.hybrid import HybridMoE
 from hetmoe.runtime.kv_cache import growing_cache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def _decoder_layers(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def _fast_layers(model) -> list:
-    return [m for m in model.modules() if "forward" in vars(m) and type(m).__name__ == "Qwen3MoeDecoderLayer"]
+    return [m for m in _decoder_layers(model) if getattr(vars(m).get("forward"), "hetmoe_fast_decode", False)]
 
 
 def _steps(model, ids: torch.Tensor, steps: int, fast: bool, cache_class=None) -> list[torch.Tensor]:
-    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeDecoderLayer"]
+    layers = _decoder_layers(model)
     saved = {id(m): vars(m).get("forward") for m in layers}
     if not fast:
         for m in layers:
@@ -161,3 +166,83 @@ def test_block_follows_a_norm_weight_whose_storage_changed(tiny_cache) -> None:
     slow = _steps(model, ids, 6, fast=False)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
+
+
+# Each family the one-token step covers (MoEAdapter.decode_layer), with the variants that change its
+# arithmetic: biases on q/k/v (Qwen2-MoE by default, GLM-4-MoE's attention_bias), q/k norms per head
+# (Qwen3-MoE, GLM-4-MoE's use_qk_norm), over the whole projection (OLMoE, MiniMax-M2) or none, and
+# rotary over all of each head (Qwen3-MoE, Mixtral, ...) or its leading half (GLM-4-MoE's default,
+# MiniMax-M2's rotary_dim).
+_HALF_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+FAMILIES = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "olmoe": ("olmoe", {}),
+    "minimax_m2": ("minimax_m2", {}),
+    "minimax_m2-partial-rotary": ("minimax_m2", {"rope_parameters": _HALF_ROTARY}),
+    "glm4_moe": ("glm4_moe", {}),
+    "glm4_moe-qk-norm-bias": ("glm4_moe", {"use_qk_norm": True, "attention_bias": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory) -> dict:
+    from tiny_models import build_tiny
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_tiny(arch, root / name, **extra) for name, (arch, extra) in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypatch, family: str, dtype) -> None:
+    """Every decoder layer of each family takes the one-call step (the engine block, every step), and
+    24 greedy steps give logits bit-identical to transformers' own forward over the same modules: the
+    stored bf16 model as loaded by default, and an fp32 load with int8 linears (an fp32 load keeps
+    bf16 weights in torch unless a method is named)."""
+    import hetmoe.models.fast_decode as fast_decode
+    from hetmoe import load_model
+
+    options = {} if dtype == torch.bfloat16 else {"dtype": dtype, "dense_method": "int8"}
+    model = load_model(family_models[family], **options)
+    assert len(_fast_layers(model)) == model.config.num_hidden_layers == len(_decoder_layers(model))
+    assert "forward" in vars(model)  # the causal LM's one-token forward too
+    taken: list[bool] = []
+    real = fast_decode._one_token_block
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_decode, "_one_token_block", spy)
+    moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
+    adapter = type(moe[0].adapter)
+    from_logits: list[bool] = []
+    real_route = adapter.route_logits
+
+    def route_spy(self, *args):
+        out = real_route(self, *args)
+        from_logits.append(out is not None)
+        return out
+
+    monkeypatch.setattr(adapter, "route_logits", route_spy)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    fast = _steps(model, ids, 24, fast=True)
+    assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
+    # The block computes the router's logits where the adapter routes from them (the router weight
+    # stays bf16 in both loads). GLM-4-MoE's router takes fp32 products, so it does not; MiniMax-M2's
+    # rounds x to the weight's dtype first, so an fp32 load's logits are refused and it routes itself.
+    if family.startswith("glm4_moe") or (family.startswith("minimax_m2") and dtype == torch.float32):
+        assert not any(from_logits)
+    else:
+        assert len(from_logits) >= 24 * len(moe) and all(from_logits[-24 * len(moe) :]), from_logits
+    monkeypatch.undo()
+    model_forward = vars(model).pop("forward")
+    try:
+        slow = _steps(model, ids, 24, fast=False)
+    finally:
+        model.forward = model_forward
+    for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert torch.equal(a, b), (family, step, float((a - b).abs().max()))

@@ -151,19 +151,21 @@ def build_tiny(
     fused: bool | None = None,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    **overrides: Any,
 ) -> Path:
     """A tiny random ``model_type`` saved by ``save_pretrained`` into ``out_dir``.
 
     ``fused=None`` saves the way transformers does by default (per-expert for every architecture
     but gpt-oss, whose only layout is fused); ``True`` saves transformers 5's in-memory fused
-    layout (``save_original_format=False``); ``False`` insists on per-expert.
+    layout (``save_original_format=False``); ``False`` insists on per-expert. ``overrides`` are config
+    fields beyond ARCH_CONFIGS' (a variant of the architecture).
     """
     from transformers import AutoModelForCausalLM
 
     if fused is False and model_type in ALWAYS_FUSED:
         raise ValueError(f"{model_type} has no per-expert checkpoint layout")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
     # Re-draw every expert parameter (biases included: transformers zeroes gpt-oss's) so that a
     # reader that mixed up gate and up, or two experts, could not pass by accident.
     gen = torch.Generator().manual_seed(seed + 1)

@@ -1,18 +1,23 @@
-"""A lean one-token forward for Qwen3-MoE decoder layers on a CPU-only load.
+"""A lean one-token forward for pre-norm GQA decoder layers on a CPU-only load.
 
 A decode step of a CPU-only model spends about a millisecond a layer outside the weights, most of
 it in Python: transformers' decoder layer, its attention module (a deprecation wrapper, kwargs
 unpacking, the attention-interface lookup), six module calls for q/k/v and their norms. For the
 case that matters most on a CPU, one token of one sequence, ``install_fast_decode`` gives each
-Qwen3-MoE decoder layer a forward that calls the same modules' engine paths directly, in the same
-order and with the same roundings as transformers' forward (the tests hold the two bit-identical
-over many steps). Every other call (prefill, batches, masks, another attention implementation,
-autograd, hooks) runs transformers' own forward unchanged.
+decoder layer of a family whose adapter names it (``MoEAdapter.decode_layer``: Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2, GLM-4-MoE) a forward that calls the same modules' engine
+paths directly, in the same order and with the same roundings as transformers' forward (the tests
+hold the two bit-identical over many steps). Every other call (prefill, batches, masks, another
+attention implementation, autograd, hooks) runs transformers' own forward unchanged.
 
 It is installed only where the layer has what it reads: q/k/v fused into one engine call
-(runtime/fused_linears.py), fused norms and rotary embedding, this project's CPU attention. Where
-the cache appends in place (runtime/kv_cache.py), the whole attention half of a layer and its
-router's logits are one engine call (``DecodeAttentionBlock``, csrc/decode_step.h).
+(runtime/fused_linears.py), fused norms, this project's CPU attention. Where the cache appends in
+place (runtime/kv_cache.py), the whole attention half of a layer, and its router's logits where the
+adapter routes from them, are one engine call (``DecodeAttentionBlock``, csrc/decode_step.h): the
+q/k norms per head, over the whole projection or none (``MoEAdapter.decode_qk_norm``), and the
+rotary embedding over each head's leading values (partial rotary: GLM-4-MoE, MiniMax-M2). Where it
+does not (another cache), Qwen3-MoE's layers take the same steps as separate engine calls; other
+families take transformers' forward.
 """
 
 from __future__ import annotations
@@ -37,49 +42,61 @@ from .fused_norms import _DTYPES, norm_rows
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
 
-_LAYER_CLASSES = ("Qwen3MoeDecoderLayer",)
+QK_NORMS = {"none": 0, "head": 1, "projection": 2}  # csrc/decode_step.h QKNorm
 
 
 @functools.cache
 def _transformers() -> types.SimpleNamespace:
     """The transformers types the one-token path checks and builds, imported once (not per call:
     ``import hetmoe`` does not import transformers, and a decode step should not re-run imports)."""
+    from transformers import modeling_outputs
     from transformers.cache_utils import DynamicLayer
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-    return types.SimpleNamespace(DynamicLayer=DynamicLayer, MoeCausalLMOutputWithPast=MoeCausalLMOutputWithPast)
+    return types.SimpleNamespace(DynamicLayer=DynamicLayer, outputs=modeling_outputs)
 
 
-def _eligible_layer(layer: nn.Module) -> bool:
+def _eligible_layer(layer: nn.Module, qk_norm: str) -> bool:
     attn = getattr(layer, "self_attn", None)
-    if type(layer).__name__ not in _LAYER_CLASSES or attn is None:
+    if attn is None:
         return False
-    norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if qk_norm == "none" and any(n is not None for n in qk):
+        return False  # norms the adapter does not expect: not the layer it describes
     return (
         isinstance(getattr(attn, "fused_qkv_proj", None), FusedLinears)
-        and isinstance(attn.o_proj, CPULinear)
-        and all(hasattr(n, "_hetmoe_mode") for n in norms)  # fused_norms.py installed
-        and hasattr(sys.modules[type(layer).__module__].apply_rotary_pos_emb, "hetmoe_original")  # fused_rope.py
+        and isinstance(getattr(attn, "o_proj", None), CPULinear)
+        and all(hasattr(n, "_hetmoe_mode") for n in norms + (qk if qk_norm != "none" else []))  # fused_norms.py
     )
 
 
-def install_fast_decode(model: nn.Module) -> int:
-    """Give every eligible decoder layer the lean one-token forward, and the causal LM too when all its
-    layers have it; returns how many layers."""
+def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
+    """Give every eligible decoder layer of the adapter's ``decode_layer`` class the lean one-token
+    forward, and the causal LM too when all its layers have it; returns how many layers."""
+    if not adapter.decodes_in_one_call() or adapter.decode_qk_norm not in QK_NORMS:
+        return 0
+    qk_norm = adapter.decode_qk_norm
     count = 0
     layers = []
     for layer in model.modules():
-        if type(layer).__name__ in _LAYER_CLASSES:
-            layers.append(layer)
-        if _eligible_layer(layer):
+        if type(layer).__name__ != adapter.decode_layer:
+            continue
+        layers.append(layer)
+        if _eligible_layer(layer, qk_norm):
+            layer._hetmoe_qk_norm = qk_norm
+            # The step-by-step path (_one_token's second half) is Qwen3-MoE's: per-head q/k norms and
+            # the fused full-head rotary of fused_rope.py.
+            rotary = getattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb", None)
+            layer._hetmoe_steps = qk_norm == "head" and hasattr(rotary, "hetmoe_original")
             layer.forward = types.MethodType(_make_forward(type(layer).forward), layer)
             count += 1
-    if layers and count == len(layers) and type(model).__name__ in _CAUSAL_CLASSES:
+    causal = adapter.decode_causal_lm
+    if layers and count == len(layers) and causal is not None and type(model).__name__ == causal[0]:
+        model._hetmoe_output_class = causal[1]
         model.forward = types.MethodType(_make_causal_forward(type(model).forward), model)
     return count
 
 
-_CAUSAL_CLASSES = ("Qwen3MoeForCausalLM",)
 # keyword arguments the one-token model forward may ignore (what generate passes besides the inputs)
 _IGNORABLE = {"cache_position", "return_dict", "output_attentions", "output_hidden_states"}
 
@@ -148,7 +165,7 @@ def _causal_fast(
         return False
     past = cache.get_seq_length()
     window = getattr(model.config, "sliding_window", None)
-    if window is not None and past + 1 > window:
+    if window and past + 1 > window:  # (Qwen2-MoE's config says 0 for no window)
         return False  # transformers builds a sliding-window mask whenever the config names a window
     if attention_mask is not None and (attention_mask.shape != (1, past + 1) or not bool(attention_mask.all())):
         return False  # padding: the mask must reach the layers
@@ -159,9 +176,9 @@ def _causal_fast(
 
 
 def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any) -> Any:
-    """transformers' Qwen3MoeForCausalLM + Qwen3MoeModel forward for one token without padding: the
-    same modules in the same order (no mask is built: one query over a full, unpadded cache sees
-    every key)."""
+    """transformers' causal LM + model forward (Qwen3MoeForCausalLM + Qwen3MoeModel and their
+    siblings) for one token without padding: the same modules in the same order (no mask is built:
+    one query over a full, unpadded cache sees every key)."""
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
     if position_ids is None:
@@ -172,12 +189,15 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
         hidden.requires_grad and torch.is_grad_enabled()
     )
     for layer in inner.layers[: inner.config.num_hidden_layers]:
+        out = None
         if direct and not layer.training and _fast_installed(layer) and _parts_unhooked(layer):
-            hidden = _one_token(layer, hidden, cache, position_embeddings)
-        else:
-            hidden = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
+            out = _one_token(layer, hidden, cache, position_embeddings)
+        if out is None:
+            out = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
+        hidden = out
     hidden = inner.norm(hidden)
-    return _transformers().MoeCausalLMOutputWithPast(logits=model.lm_head(hidden), cache=cache)
+    output = getattr(_transformers().outputs, model._hetmoe_output_class)
+    return output(logits=model.lm_head(hidden), cache=cache)
 
 
 def _make_forward(original: Any) -> Any:
@@ -193,7 +213,10 @@ def _make_forward(original: Any) -> Any:
     ) -> torch.Tensor:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)  # the name transformers deprecates
-        if not _takes_fast_path(self, hidden_states, attention_mask, cache, position_embeddings, kwargs):
+        out = None
+        if _takes_fast_path(self, hidden_states, attention_mask, cache, position_embeddings, kwargs):
+            out = _one_token(self, hidden_states, cache, position_embeddings)
+        if out is None:
             return original(
                 self,
                 hidden_states,
@@ -204,7 +227,7 @@ def _make_forward(original: Any) -> Any:
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-        return _one_token(self, hidden_states, cache, position_embeddings)
+        return out
 
     forward.hetmoe_fast_decode = True  # type: ignore[attr-defined]
     return forward
@@ -246,38 +269,39 @@ def _parts_unhooked(layer: nn.Module) -> bool:
         children = layer._modules
         attn = children["self_attn"]
         group = attn._modules["fused_qkv_proj"]
-        parts = (
+        parts = [
             layer,
             attn,
-            attn._modules["q_norm"],
-            attn._modules["k_norm"],
             attn._modules["o_proj"],
             group,
             group._modules["linear"],
             children["input_layernorm"],
             children["post_attention_layernorm"],
             children["mlp"],
-        )
+        ]
+        if layer.__dict__["_hetmoe_qk_norm"] != "none":
+            parts += [attn._modules["q_norm"], attn._modules["k_norm"]]
     except KeyError:  # a part was removed after install_fast_decode: transformers' forward
         return False
     return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
 
 
-def _qk_norms_apply(attn: nn.Module, d: int, dtype: torch.dtype) -> bool:
-    """The engine's norm kernel takes q_norm and k_norm as they are, for rows of ``d`` in ``dtype``."""
+def _qk_norms_apply(attn: nn.Module, widths: tuple[int, int], dtype: torch.dtype) -> bool:
+    """The engine's norm kernel takes q_norm and k_norm as they are, over rows of ``widths`` (q's,
+    k's) values in ``dtype``."""
     return dtype in _DTYPES and all(
-        n.weight.dtype == dtype and n.weight.shape == (d,) and n.weight.is_contiguous() and n._hetmoe_mode == 0
-        for n in (attn.q_norm, attn.k_norm)
+        n.weight.dtype == dtype and n.weight.shape == (w,) and n.weight.is_contiguous() and n._hetmoe_mode == 0
+        for n, w in zip((attn.q_norm, attn.k_norm), widths, strict=True)
     )
 
 
-def _rotary_applies(cos: torch.Tensor, sin: torch.Tensor, d: int, dtype: torch.dtype) -> bool:
-    """The engine's rotary kernel takes this token's tables ``[1, 1, d]`` as they are."""
+def _rotary_applies(cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, dtype: torch.dtype) -> bool:
+    """The engine's rotary kernel takes this token's tables ``[1, 1, rotary_dim]`` as they are."""
     return (
         cos.dtype == dtype
         and sin.dtype == dtype
-        and cos.shape == (1, 1, d)
-        and sin.shape == (1, 1, d)
+        and cos.shape == (1, 1, rotary_dim)
+        and sin.shape == (1, 1, rotary_dim)
         and cos.is_contiguous()
         and sin.is_contiguous()
     )
@@ -289,7 +313,7 @@ def _norm_rope_direct(
     """q_norm, k_norm and the rotary embedding as direct engine calls on the rows of ``qkv``, without
     the modules' per-call checks (the same kernels, so the same values); None where they do not apply."""
     dtype = qkv.dtype
-    if not (qkv.is_contiguous() and _qk_norms_apply(attn, d, dtype) and _rotary_applies(cos, sin, d, dtype)):
+    if not (qkv.is_contiguous() and _qk_norms_apply(attn, (d, d), dtype) and _rotary_applies(cos, sin, d, dtype)):
         return None
     q = qkv[..., bounds[0] : bounds[1]].view(1, -1, 1, d)  # [1, heads, 1, d]: one token's rows as they lie
     k = qkv[..., bounds[1] : bounds[2]].view(1, -1, 1, d)
@@ -307,7 +331,7 @@ def _router_engine(mlp: nn.Module) -> Any:
     return engine_linear(gate.weight, None)
 
 
-def _attention_block(layer: nn.Module, dtype: torch.dtype) -> tuple[Any, Any, int] | None:
+def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> tuple[Any, Any, int] | None:
     """``(engine block, router CPULinear or None, KV heads)`` running the layer's attention half for
     one token (decode_step.h), made once and again whenever a module or weight it points to is
     replaced, or a norm weight's storage is (``param.data = ...`` keeps the Parameter but frees the
@@ -315,33 +339,47 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype) -> tuple[Any, Any, in
     parts do not fit it."""
     children = layer._modules  # not attribute access: see _parts_unhooked
     attn = children["self_attn"]._modules
+    qk = layer.__dict__["_hetmoe_qk_norm"] != "none"
     parts = (
         dtype,
+        rotary_dim,
         children["input_layernorm"]._parameters["weight"],
-        attn["q_norm"]._parameters["weight"],
-        attn["k_norm"]._parameters["weight"],
+        attn["q_norm"]._parameters["weight"] if qk else None,
+        attn["k_norm"]._parameters["weight"] if qk else None,
         children["post_attention_layernorm"]._parameters["weight"],
         attn["fused_qkv_proj"]._modules["linear"],
         attn["o_proj"],
         _router_engine(children["mlp"]),
     )
-    pointers = tuple(None if p is None else p.data_ptr() for p in parts[1:5])
+    pointers = tuple(None if p is None else p.data_ptr() for p in parts[2:6])
     cached = layer.__dict__.get("_hetmoe_decode_block")
-    if cached is not None and cached[1] == pointers and all(map(operator.is_, cached[0], parts)):
+    if (
+        cached is not None
+        and cached[1] == pointers
+        and cached[0][:2] == parts[:2]  # dtype and rotary width: values
+        and all(map(operator.is_, cached[0][2:], parts[2:]))  # weights and modules: the same objects
+    ):
         return cached[2]
-    made = _make_attention_block(layer, dtype, parts[-1])
+    made = _make_attention_block(layer, dtype, rotary_dim, parts[-1])
     layer._hetmoe_decode_block = (parts, pointers, made)
     return made
 
 
-def _make_attention_block(layer: nn.Module, dtype: torch.dtype, router: Any) -> tuple[Any, Any, int] | None:
+def _make_attention_block(
+    layer: nn.Module, dtype: torch.dtype, rotary_dim: int, router: Any
+) -> tuple[Any, Any, int] | None:
     attn = layer.self_attn
     group: FusedLinears = attn.fused_qkv_proj
     d, b = attn.head_dim, group.bounds
     hidden = group.linear.in_features
     heads, kv = (b[1] - b[0]) // d, (b[2] - b[1]) // d
-    norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)
-    if d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv or not _qk_norms_apply(attn, d, dtype):
+    if d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv or dtype not in _DTYPES:
+        return None
+    if rotary_dim % 2 or not 0 < rotary_dim <= d:
+        return None
+    qk_norm = layer._hetmoe_qk_norm
+    widths = (d, d) if qk_norm == "head" else (heads * d, kv * d)
+    if qk_norm != "none" and not _qk_norms_apply(attn, widths, dtype):
         return None
     if attn.o_proj.in_features != heads * d or attn.o_proj.out_features != hidden:
         return None
@@ -350,19 +388,29 @@ def _make_attention_block(layer: nn.Module, dtype: torch.dtype, router: Any) -> 
             return None
     if router is not None and router.in_features != hidden:
         router = None
+    absent = (0, 0.0, 0)
+    qk = (absent, absent) if qk_norm == "none" else (_norm_spec(attn.q_norm), _norm_spec(attn.k_norm))
+    norms = (_norm_spec(layer.input_layernorm), *qk, _norm_spec(layer.post_attention_layernorm))
     block = engine_module().DecodeAttentionBlock(
         _DTYPES[dtype],
         hidden,
         heads,
         kv,
         d,
-        tuple((n.weight.data_ptr(), n._hetmoe_eps, n._hetmoe_mode) for n in norms),
+        norms,
         float(attn.scaling),
         group.linear._engine,
         attn.o_proj._engine,
         None if router is None else router._engine,
+        qk_norm=QK_NORMS[qk_norm],
+        rotary_dim=rotary_dim,
     )
     return block, router, kv
+
+
+def _norm_spec(norm: nn.Module) -> tuple[int, float, int]:
+    """What the engine reads of a fused norm: its weight's address, epsilon and rounding mode."""
+    return norm.weight.data_ptr(), norm._hetmoe_eps, norm._hetmoe_mode
 
 
 def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:
@@ -373,13 +421,14 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     if not x.is_contiguous():
         return None
     dtype = x.dtype
-    made = _attention_block(layer, dtype)
+    cos, sin = position_embeddings
+    rotary_dim = cos.shape[-1]
+    made = _attention_block(layer, dtype, rotary_dim)
     if made is None or x.numel() != attn._modules["o_proj"].out_features:
         return None
     block, router, kv_heads = made
-    cos, sin = position_embeddings
     d = attn.head_dim
-    if not _rotary_applies(cos, sin, d, dtype):
+    if not _rotary_applies(cos, sin, rotary_dim, dtype):
         return None
     layer_cache = cache.layers[attn.layer_idx]
     free_row = getattr(layer_cache, "free_row", None)
@@ -411,15 +460,18 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     mlp = layer._modules["mlp"]
     if logits is None:
         return x_out + mlp(h_out.view(1, 1, hidden))
-    weights, ids = mlp.adapter.route_logits(mlp, logits)
-    return x_out + mlp.forward_routed(h_out, weights, ids).view(1, 1, hidden)
+    routed = mlp.adapter.route_logits(mlp, logits)
+    if routed is None:  # the adapter does not route from these logits after all
+        return x_out + mlp(h_out.view(1, 1, hidden))
+    return x_out + mlp.forward_routed(h_out, *routed).view(1, 1, hidden)
 
 
-def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor:
-    """transformers' Qwen3MoeDecoderLayer + Qwen3MoeAttention forward for one token, the same ops in
-    the same order, called directly."""
+def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:
+    """transformers' decoder layer + attention forward for one token, the same ops in the same order,
+    called directly: the engine block, else (Qwen3-MoE) the same steps one call each; None where
+    neither applies (the caller runs transformers' forward)."""
     out = _one_token_block(layer, x, cache, position_embeddings)
-    if out is not None:
+    if out is not None or not layer.__dict__["_hetmoe_steps"]:
         return out
     attn = layer.self_attn
     modeling = sys.modules[type(layer).__module__]

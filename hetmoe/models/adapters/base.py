@@ -47,6 +47,16 @@ class MoEAdapter(ABC):
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # transformers model_type to build the model with when the checkpoint's is an alias.
     transformers_model_type: ClassVar[str | None] = None
+    # The one-token decode step (models/fast_decode.py): transformers' decoder layer class, where its
+    # forward is the pre-norm shape that step reproduces (input norm; q/k/v, q/k norms, rotary over
+    # each head's leading values, KV append, softmax attention, o_proj; residual; post-attention
+    # norm; the MLP; residual), and the causal LM class with the output class its forward returns.
+    # None: the family's layers keep transformers' forward.
+    decode_layer: ClassVar[str | None] = None
+    decode_causal_lm: ClassVar[tuple[str, str] | None] = None
+    # Where that layer RMS-normalises q and k: "head" (each head's values), "projection" (all the
+    # heads' values before they split) or "none".
+    decode_qk_norm: str = "none"
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -59,6 +69,10 @@ class MoEAdapter(ABC):
 
     def is_moe_block(self, module: nn.Module) -> bool:
         return type(module).__name__ in self.block_classes
+
+    def decodes_in_one_call(self) -> bool:
+        """Whether this model's decoder layers take the one-token decode step (``decode_layer``)."""
+        return self.decode_layer is not None
 
     def checkpoint_names(self, module_name: str) -> list[str]:
         """Names a module tensor may have in a checkpoint, the module's own name first."""
@@ -82,7 +96,7 @@ class MoEAdapter(ABC):
         """``route`` from the logits, where this architecture's logits are ``router_logits(x,
         block.gate.weight)`` (routing.py: no bias, the router's own dtype) and everything after them is
         a function of the logits alone: the one-token decode path then has the engine compute them.
-        None for every other router."""
+        None for every other router, and for logits it would not have computed so."""
         return None
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,12 @@ class MixtralAdapter(MoEAdapter):
     model_types = ("mixtral",)
     block_classes = ("MixtralSparseMoeBlock",)
     checkpoint_renames = ((".mlp.", ".block_sparse_moe."),)
+    decode_layer = "MixtralDecoderLayer"
+    decode_causal_lm = ("MixtralForCausalLM", "MoeCausalLMOutputWithPast")
+    decode_qk_norm = "none"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits(x, block.gate.weight)
+        return self.route_logits(block, router_logits(x, block.gate.weight))
+
+    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), True, None)

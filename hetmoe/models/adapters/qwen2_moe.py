@@ -19,9 +19,14 @@ def gated_shared_expert(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class Qwen2MoeAdapter(MoEAdapter):
     model_types = ("qwen2_moe",)
     block_classes = ("Qwen2MoeSparseMoeBlock",)
+    decode_layer = "Qwen2MoeDecoderLayer"
+    decode_causal_lm = ("Qwen2MoeForCausalLM", "MoeCausalLMOutputWithPast")
+    decode_qk_norm = "none"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits(x, block.gate.weight)
+        return self.route_logits(block, router_logits(x, block.gate.weight))
+
+    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -12,6 +12,9 @@ from .routing import router_logits, softmax_topk
 class Qwen3MoeAdapter(MoEAdapter):
     model_types = ("qwen3_moe",)
     block_classes = ("Qwen3MoeSparseMoeBlock",)
+    decode_layer = "Qwen3MoeDecoderLayer"
+    decode_causal_lm = ("Qwen3MoeForCausalLM", "MoeCausalLMOutputWithPast")
+    decode_qk_norm = "head"
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))
