@@ -49,7 +49,15 @@ from hetmoe.runtime.cpu_linear import CPULinear
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 Q = gguf.GGMLQuantizationType
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}
+ARCH = {
+    "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
+    "deepseek_v3": "deepseek2",
+    "deepseek_v2": "deepseek2",
+    "glm4_moe": "glm4moe",
+    "minimax_m2": "minimax-m2",
+}
+ARCH_ENUM = {"glm4moe": "GLM4_MOE", "minimax-m2": "MINIMAXM2"}  # the gguf package's MODEL_ARCH names
 # Per MoE layer (alternating): the ggml types of gate, up and down.
 EXPERT_TYPES = [(Q.Q8_0, Q.Q4_0, Q.Q8_0), (Q.Q4_0, Q.Q8_0, Q.Q4_0)]
 # Non-expert tensors: norms and vectors F32 (as llama.cpp keeps them), these leaves as given, the rest Q8_0.
@@ -67,6 +75,10 @@ YARN = {
     "mscale": 0.707,
     "mscale_all_dim": 0.707,
 }
+
+
+# MiniMax-M2's rotary part (64 of its 128 head dims), on the tiny model's heads of 16.
+HALF_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 
 
 # --- writing a GGUF the way convert_hf_to_gguf.py does ---------------------------------------------
@@ -98,6 +110,8 @@ def random_model(model_type: str, **overrides: Any) -> torch.nn.Module:
 def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
     """The ``{arch}.*`` keys convert_hf_to_gguf.py writes for this config (TextModel + the model class)."""
     c = config
+    if arch in ("glm4moe", "minimax-m2"):
+        return _partial_rotary_metadata(c, arch)
     meta: dict[str, Any] = {
         "block_count": c.num_hidden_layers,
         "context_length": c.max_position_embeddings,
@@ -152,6 +166,38 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
     return meta
 
 
+def _partial_rotary_metadata(c: Any, arch: str) -> dict[str, Any]:
+    """GLM-4-MoE's (conversion/glm.py Glm4MoeModel) and MiniMax-M2's (conversion/minimax.py) keys."""
+    rotary = int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))
+    meta: dict[str, Any] = {
+        "block_count": c.num_hidden_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": c.head_dim,
+        "attention.value_length": c.head_dim,
+        "rope.freq_base": float(c.rope_parameters["rope_theta"]),
+        "rope.dimension_count": rotary,
+        "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
+        "expert_used_count": c.num_experts_per_tok,
+        "expert_gating_func": 2,  # sigmoid
+    }
+    if arch == "minimax-m2":
+        return meta | {"expert_count": c.num_local_experts, "expert_feed_forward_length": c.intermediate_size}
+    return meta | {
+        "expert_count": c.n_routed_experts,
+        "expert_feed_forward_length": c.moe_intermediate_size,
+        "expert_shared_count": c.n_shared_experts,
+        "leading_dense_block_count": c.first_k_dense_replace,
+        "expert_weights_scale": float(c.routed_scaling_factor),
+        "expert_weights_norm": bool(c.norm_topk_prob),
+        "expert_group_count": c.n_group,
+        "expert_group_used_count": c.topk_group,
+    }
+
+
 def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
     """(transformers module name + suffix, tensor) as the converter sees them: experts unfused and
     stacked per projection, kv_b_proj split and k_b transposed, e_score_correction_bias renamed."""
@@ -199,6 +245,7 @@ def write_gguf(
     split_kv_b: bool = True,
     drop_tensors: tuple[str, ...] = (),
     drop_keys: tuple[str, ...] = (),
+    extra_keys: dict[str, Any] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     arch: str | None = None,
     tokenizer_dir: Path | None = None,
@@ -208,9 +255,10 @@ def write_gguf(
     keeps them, kv_b_proj unsplit)."""
     config = model.config
     arch = arch or ARCH[config.model_type]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCH[config.model_type].upper()], config.num_hidden_layers)
+    enum = ARCH_ENUM.get(ARCH[config.model_type], ARCH[config.model_type].upper())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[enum], config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in _metadata(config, ARCH[config.model_type], split_kv_b).items():
+    for key, value in (_metadata(config, ARCH[config.model_type], split_kv_b) | (extra_keys or {})).items():
         if key in drop_keys:
             continue
         full = f"{arch}.{key}"
@@ -322,8 +370,22 @@ def _add_tokenizer(writer: Any, directory: Path) -> None:
         ("deepseek_v3", {"q_lora_rank": None}, False),
         ("deepseek_v2", {"n_group": 1, "topk_group": 1}, True),
         ("deepseek_v3", {"rope_parameters": YARN}, True),
+        ("glm4_moe", {}, True),
+        ("glm4_moe", {"use_qk_norm": True, "attention_bias": True, "norm_topk_prob": False}, True),
+        ("minimax_m2", {"rope_parameters": HALF_ROTARY}, True),
     ],
-    ids=["qwen3moe", "qwen3moe-tied", "qwen2moe", "deepseek2-v3", "deepseek2-v3-lite-kv_b", "deepseek2-v2", "yarn"],
+    ids=[
+        "qwen3moe",
+        "qwen3moe-tied",
+        "qwen2moe",
+        "deepseek2-v3",
+        "deepseek2-v3-lite-kv_b",
+        "deepseek2-v2",
+        "yarn",
+        "glm4moe",
+        "glm4moe-qk-norm-bias",
+        "minimax-m2",
+    ],
 )
 def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_kv_b: bool, tmp_path: Path) -> None:
     model = random_model(model_type, **overrides)
@@ -352,6 +414,28 @@ def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_
     theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
     got16 = rel(logits(ours16, ids), want32)
     assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+
+
+def test_glm4moe_prediction_block_is_left_unread(tmp_path: Path) -> None:
+    """GLM-4-MoE files carry their multi-token-prediction block after the decoder layers, counted in
+    block_count and named by nextn_predict_layers (convert_hf_to_gguf's Glm4MoeModel): the model is
+    the layers before it, with the logits of the file without it."""
+    model = random_model("glm4_moe")
+    n = model.config.num_hidden_layers
+    hidden, experts, inter = model.config.hidden_size, model.config.n_routed_experts, model.config.moe_intermediate_size
+    gen = torch.Generator().manual_seed(7)
+    mtp = {  # a few of the block's tensors: its own norms, projection and experts
+        f"blk.{n}.attn_norm.weight": torch.ones(hidden).numpy(),
+        f"blk.{n}.nextn.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen).numpy(),
+        f"blk.{n}.nextn.enorm.weight": torch.ones(hidden).numpy(),
+        f"blk.{n}.ffn_up_exps.weight": torch.randn(experts, inter, hidden, generator=gen).numpy(),
+    }
+    path = tmp_path / "mtp.gguf"
+    state = write_gguf(model, path, extra_keys={"block_count": n + 1, "nextn_predict_layers": 1}, extra_tensors=mtp)
+    ours = load_model(path, device="cpu", dtype=torch.float32)
+    assert ours.config.num_hidden_layers == n and sorted(ours.hetmoe.layers) == list(range(1, n))
+    ids = tokens()
+    assert rel(logits(ours, ids), logits(reference(model, state, torch.float32), ids)) <= 5e-5
 
 
 def test_config_from_metadata_matches_the_model(tmp_path: Path) -> None:

@@ -126,7 +126,9 @@ def config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
     config: dict[str, Any] = {
         "model_type": GGUF_ARCHITECTURES.get(arch, arch),
         "gguf_architecture": arch,
-        "num_hidden_layers": field("block_count"),
+        # GLM-4-MoE counts its multi-token-prediction block(s) in block_count (llama.cpp's n_layer
+        # subtracts them): the decoder layers are the ones before
+        "num_hidden_layers": _decoder_layers(field("block_count"), field("nextn_predict_layers", 0)),
         "hidden_size": field("embedding_length"),
         "num_experts": field("expert_count"),
         "num_experts_per_tok": field("expert_used_count"),
@@ -143,6 +145,13 @@ def config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
     config = {k: v for k, v in config.items() if v is not None}
     _check_required(config, gguf.path, "GGUF metadata")
     return config
+
+
+def _decoder_layers(blocks: Any, nextn: Any) -> Any:
+    """block_count less the prediction blocks, where both are counts (else block_count, checked later)."""
+    if isinstance(blocks, int) and isinstance(nextn, int) and 0 < nextn < blocks:
+        return blocks - nextn
+    return blocks
 
 
 def _attention_fields(field: Any, arch: str) -> dict[str, Any]:

@@ -13,8 +13,16 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
   Linear weight is ``[out, in]`` as in transformers, ``token_embd`` ``[vocab, hidden]`` and the
   stacked experts ``ffn_{gate,up}_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``.
 - Only llama-architecture files permute the rows of ``attn_q``/``attn_k`` (``LlamaModel.permute``, for
-  ggml's interleaved rope); qwen2moe and qwen3moe keep transformers' order (neox rope), and
-  deepseek2 keeps the original DeepSeek order, which transformers reads with its interleaved rope.
+  ggml's interleaved rope); qwen2moe, qwen3moe, glm4moe and minimax-m2 keep transformers' order (neox
+  rope), and deepseek2 keeps the original DeepSeek order, which transformers reads with its
+  interleaved rope.
+- glm4moe (GLM-4.5/4.6, GLM-4.5-Air) and minimax-m2 rotate the leading ``rope.dimension_count``
+  values of each head (transformers' ``partial_rotary_factor``), route by sigmoid scores with the
+  selection bias ``exp_probs_b`` and say nothing of q/k norms or biases: those are read off the
+  tensors present. MiniMax-M2's q/k norms span the whole projection; it always renormalises the
+  top-k weights (``norm_w = true`` in ``minimax-m2.cpp``). GLM-4-MoE files count their
+  multi-token-prediction block(s) in ``block_count`` (``nextn_predict_layers``); llama.cpp's graph
+  and transformers skip them, and so does this reader.
 - ``output.weight`` absent means the embedding is tied to the output.
 - What the file does not say but llama.cpp's graph fixes: qwen3moe always renormalises the top-k
   routing weights (``norm_w = true`` in ``qwen3moe.cpp``), qwen2moe never does (``false``); the
@@ -50,7 +58,7 @@ from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_code
 
 # Where transformers keeps the decoder layers of every architecture read here.
 MODULE_PREFIX = "model.layers"
-ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2")
+ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2")
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
@@ -73,6 +81,14 @@ _QWEN2_SHARED = {f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" f
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"
 }
 _DEEPSEEK_SHARED = {f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}
+# GLM-4-MoE names its post-attention norm for what it is; the gate holds the selection bias.
+_GLM_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+}
+_GLM_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+# MiniMax-M2 keeps the selection bias on the MoE block itself.
+_MINIMAX_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.e_score_correction_bias"}
 _MLA = {
     "attn_q.weight": "self_attn.q_proj.weight",  # no q_lora_rank (V2-Lite)
     "attn_q_a.weight": "self_attn.q_a_proj.weight",
@@ -233,11 +249,20 @@ class GGUFModel:
         self.meta = _Meta(file, self.arch)
         self.tensors = {k: source.info(k) for k in source.keys()}
         self._kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
-        builders = {"qwen2moe": self._qwen2moe, "qwen3moe": self._qwen3moe, "deepseek2": self._deepseek2}
+        # GLM-4-MoE files carry their multi-token-prediction block(s) after the decoder layers
+        # (block_count counts them; llama.cpp's graph and transformers skip them): left unread.
+        self.tensors = {k: v for k, v in self.tensors.items() if _layer_of(k) < layout.num_layers}
+        builders = {
+            "qwen2moe": self._qwen2moe,
+            "qwen3moe": self._qwen3moe,
+            "deepseek2": self._deepseek2,
+            "glm4moe": self._glm4moe,
+            "minimax-m2": self._minimax_m2,
+        }
         fields, self._layer_names = builders[self.arch](layout)
         self.config = _make_config(fields, file.path)
         entries = self._entries(layout)
-        experts = [k for k in self.tensors if _is_expert(k)]
+        experts = [k for k in self.tensors if _is_expert(k)]  # the decoder layers' only
         self.source = GGUFTensors(source, entries, experts)
         self.layout = dataclasses.replace(layout, model_type=self.config.model_type)
 
@@ -467,6 +492,101 @@ class GGUFModel:
         }
         return fields, names
 
+    def _head_dim_and_rotary(self, fields: dict[str, Any]) -> int:
+        """head_dim, KV heads and the rotary part (``rope.dimension_count`` of each head's leading
+        values, llama.cpp's NEOX rope = transformers' rotate_half) of the partial-rotary families."""
+        m = self.meta
+        heads = fields["num_attention_heads"]
+        head_dim = m.count("attention.key_length", "head_dim", fields["hidden_size"] // heads)
+        value_dim = m.count("attention.value_length", "the value head size", head_dim)
+        rotary = m.count("rope.dimension_count", "the rotary dimensions", head_dim)
+        if value_dim != head_dim or rotary > head_dim or rotary % 2:
+            raise CheckpointError(
+                m.path,
+                f"{self.arch}: key_length={head_dim}, value_length={value_dim}, rope.dimension_count={rotary}: "
+                "transformers' model needs equal key and value lengths and an even rotary part within them",
+            )
+        fields["head_dim"] = head_dim
+        fields["num_key_value_heads"] = m.count("attention.head_count_kv", "num_key_value_heads", heads)
+        fields["rope_parameters"] = self._rope() | {"partial_rotary_factor": rotary / head_dim}
+        return head_dim
+
+    def _sigmoid_gating(self) -> None:
+        """GLM-4-MoE and MiniMax-M2 route by sigmoid scores (the bias only selects): a file that says
+        otherwise is not one transformers' model runs."""
+        gating = self.meta.get("expert_gating_func")
+        if gating is None:
+            self.notes.append(f"{self.arch}: no expert_gating_func in the metadata: sigmoid gating, the architecture's")
+        elif gating != 2:
+            raise CheckpointError(
+                self.meta.path,
+                f"{self.arch}.expert_gating_func={gating!r}: transformers' {self.arch} routes by sigmoid scores (2)",
+            )
+
+    def _glm4moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        m = self.meta
+        fields = self._common(layout)
+        self._head_dim_and_rotary(fields)
+        self._sigmoid_gating()
+        sample = layout.moe_layers[0]
+        shared_rows = self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared experts")[0]
+        dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
+        fields |= {
+            "model_type": "glm4_moe",
+            "n_routed_experts": layout.num_experts,
+            "n_shared_experts": m.count(
+                "expert_shared_count", "n_shared_experts", max(1, shared_rows // layout.intermediate_size)
+            ),
+            "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": m.number("expert_weights_scale", "routed_scaling_factor", 1.0) or 1.0,
+            "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+            "n_group": m.count("expert_group_count", "n_group", 1),
+            "topk_group": m.count("expert_group_used_count", "topk_group", 1),
+            # not in the metadata: what the tensors say
+            "use_qk_norm": f"blk.{sample}.attn_q_norm.weight" in self.tensors,
+            "attention_bias": f"blk.{sample}.attn_q.bias" in self.tensors,
+        }
+        width = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0] if dense else None
+        fields["intermediate_size"] = int(width or m.count("feed_forward_length", "intermediate_size"))
+        if dense != list(range(fields["first_k_dense_replace"])):
+            raise CheckpointError(
+                m.path,
+                f"glm4moe: layers {dense[:8]} have no experts but leading_dense_block_count="
+                f"{fields['first_k_dense_replace']}",
+            )
+
+        def names(layer: int) -> dict[str, str]:
+            qkv = {k: v for k, v in _QKV.items() if fields["attention_bias"] or not k.endswith(".bias")}
+            qkv.pop("attn_output.bias", None)  # o_proj has no bias in GLM-4-MoE
+            norms = _QK_NORM if fields["use_qk_norm"] else {}
+            mlp = _GLM_ROUTER | _DEEPSEEK_SHARED if layer in layout.moe_layers else _DENSE_MLP
+            return _GLM_NORMS | qkv | norms | mlp
+
+        return fields, names
+
+    def _minimax_m2(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        fields = self._common(layout)
+        self._head_dim_and_rotary(fields)
+        self._sigmoid_gating()
+        self._no_expert_scale()
+        if len(layout.moe_layers) != layout.num_layers:
+            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
+            raise CheckpointError(self.meta.path, f"minimax-m2: layers {dense[:8]} have no experts; every layer is MoE")
+        # transformers' MiniMax-M2 sizes its experts with intermediate_size; its router always
+        # renormalises the top-k weights (llama.cpp's graph: norm_w = true)
+        fields |= {
+            "model_type": "minimax_m2",
+            "num_local_experts": layout.num_experts,
+            "intermediate_size": layout.intermediate_size,
+        }
+        fields.pop("moe_intermediate_size")
+
+        def names(layer: int) -> dict[str, str]:
+            qkv = {k: v for k, v in _QKV.items() if not k.endswith(".bias")}
+            return _NORMS | qkv | _QK_NORM | _MINIMAX_ROUTER
+
+        return fields, names
+
     # --- tensors -------------------------------------------------------------------------------
 
     def _shape(self, key: str, what: str) -> tuple[int, ...]:
@@ -544,6 +664,12 @@ class GGUFModel:
             return torch.cat([k.float().transpose(1, 2), v.float()], dim=1).reshape(heads * (nope + value), rank)
 
         return _Entry((k_b, v_b), (heads * (nope + value), rank), join)
+
+
+def _layer_of(key: str) -> int:
+    """The decoder layer a GGUF tensor belongs to (-1 for the global ones)."""
+    m = _BLOCK.match(key)
+    return int(m["layer"]) if m else -1
 
 
 def _is_expert(key: str) -> bool:
