@@ -107,12 +107,9 @@ def random_model(model_type: str, **overrides: Any) -> torch.nn.Module:
     return model.eval()
 
 
-def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
-    """The ``{arch}.*`` keys convert_hf_to_gguf.py writes for this config (TextModel + the model class)."""
-    c = config
-    if arch in ("glm4moe", "minimax-m2"):
-        return _partial_rotary_metadata(c, arch)
-    meta: dict[str, Any] = {
+def _text_model_metadata(c: Any) -> dict[str, Any]:
+    """The keys every TextModel writes (conversion/base.py set_gguf_parameters)."""
+    return {
         "block_count": c.num_hidden_layers,
         "context_length": c.max_position_embeddings,
         "embedding_length": c.hidden_size,
@@ -122,6 +119,15 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
         "rope.freq_base": float(c.rope_parameters["rope_theta"]),
         "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
         "expert_used_count": c.num_experts_per_tok,
+    }
+
+
+def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
+    """The ``{arch}.*`` keys convert_hf_to_gguf.py writes for this config (TextModel + the model class)."""
+    c = config
+    if arch in ("glm4moe", "minimax-m2"):
+        return _partial_rotary_metadata(c, arch)
+    meta = _text_model_metadata(c) | {
         "expert_feed_forward_length": c.moe_intermediate_size,
     }
     if arch in ("qwen2moe", "qwen3moe"):
@@ -169,19 +175,10 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
 def _partial_rotary_metadata(c: Any, arch: str) -> dict[str, Any]:
     """GLM-4-MoE's (conversion/glm.py Glm4MoeModel) and MiniMax-M2's (conversion/minimax.py) keys."""
     rotary = int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))
-    meta: dict[str, Any] = {
-        "block_count": c.num_hidden_layers,
-        "context_length": c.max_position_embeddings,
-        "embedding_length": c.hidden_size,
-        "feed_forward_length": c.intermediate_size,
-        "attention.head_count": c.num_attention_heads,
-        "attention.head_count_kv": c.num_key_value_heads,
+    meta = _text_model_metadata(c) | {
         "attention.key_length": c.head_dim,
         "attention.value_length": c.head_dim,
-        "rope.freq_base": float(c.rope_parameters["rope_theta"]),
         "rope.dimension_count": rotary,
-        "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
-        "expert_used_count": c.num_experts_per_tok,
         "expert_gating_func": 2,  # sigmoid
     }
     if arch == "minimax-m2":
