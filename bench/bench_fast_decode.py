@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The one-call decode step (hetmoe/models/fast_decode.py) against transformers' own layer forward,
+per architecture, on random models with a real model's attention, in one run, alternating.
+
+    python bench/bench_fast_decode.py --family glm4_moe --family minimax_m2 --rounds 3
+
+Each family's model has the attention and hidden size of the model named in ``SHAPES`` (heads, KV
+heads, head_dim, the rotary part, biases, q/k norms) and 4 layers, but 16 experts a layer and a
+32,000-token vocabulary: the attention half and the glue between modules, which is what the
+one-call step changes, stay as in the real model, while the expert and lm_head bytes a step reads
+are smaller. Models are built once (random bf16, transformers' ``save_pretrained``) under --cache.
+
+Per round and family: decode tokens/s of --steps greedy one-token steps after a 32-token prompt,
+``load_model(DIR)`` with its defaults, once as loaded ("one call") and once with the decoder
+layers' and the causal LM's forwards set back to transformers' ("transformers' layers"). Prints
+each round, then the medians and the time a step saves per layer. Nothing printed is stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# config fields per family: the attention of the named model, 4 layers, 16 experts, vocab 32000
+_SMALL = {"num_hidden_layers": 4, "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": (
+        "Qwen3-30B-A3B",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 16,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+        },
+    ),
+    "glm4_moe": (
+        "GLM-4.5-Air",
+        {
+            "hidden_size": 4096,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "attention_bias": True,
+            "use_qk_norm": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+            "first_k_dense_replace": 1,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 16,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "minimax_m2": (
+        "MiniMax-M2",
+        {
+            "hidden_size": 3072,
+            "num_attention_heads": 48,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+            "intermediate_size": 1536,
+            "num_local_experts": 16,
+            "num_experts_per_tok": 8,
+        },
+    ),
+}
+DEFAULT_CACHE = Path.home() / ".cache" / "hetmoe" / "bench-fast-decode"
+
+
+def build(family: str, cache: Path) -> Path:
+    """The family's random model directory, written once (atomically) under ``cache``."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hetmoe.checkpoint.atomic import atomic_dir
+
+    out = cache / family
+    if (out / "config.json").is_file():
+        return out
+    config = transformers.CONFIG_MAPPING[family](**_SMALL, **SHAPES[family][1])
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+    print(f"built {out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def decode_speed(model: Any, steps: int) -> float:
+    from hetmoe.runtime.kv_cache import growing_cache
+
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = growing_cache(model.config)
+        token = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return steps / (time.perf_counter() - t0)
+
+
+def transformers_layers(model: Any) -> dict[int, Any]:
+    """Take the one-call forwards off (returned, to put back)."""
+    taken = {}
+    for m in [model, *model.modules()]:
+        if "forward" in vars(m):
+            taken[id(m)] = (m, vars(m).pop("forward"))
+    return taken
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", action="append", choices=list(SHAPES), help="repeat; default: all")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"model directory (default {DEFAULT_CACHE})")
+    p.add_argument("--json", type=Path, help="write every number here")
+    args = p.parse_args()
+    from hetmoe import load_model
+
+    families = args.family or list(SHAPES)
+    models = {f: load_model(build(f, args.cache), cpu_threads=args.threads) for f in families}
+    for f, model in models.items():
+        fast = sum(getattr(vars(m).get("forward"), "hetmoe_fast_decode", False) for m in model.modules())
+        print(f"{f} ({SHAPES[f][0]} attention): {fast} of {model.config.num_hidden_layers} layers take one call")
+    records: dict[str, dict[str, list[float]]] = {f: {"one call": [], "transformers": []} for f in families}
+    print(f"{'family':12s} {'round':>5s} {'one call t/s':>13s} {'transformers t/s':>17s} {'x':>6s}")
+    for r in range(args.rounds):
+        for f, model in models.items():
+            one = decode_speed(model, args.steps)
+            taken = transformers_layers(model)
+            try:
+                plain = decode_speed(model, args.steps)
+            finally:
+                for m, forward in taken.values():
+                    m.forward = forward
+            records[f]["one call"].append(one)
+            records[f]["transformers"].append(plain)
+            print(f"{f:12s} {r:5d} {one:13.1f} {plain:17.1f} {one / plain:6.2f}", flush=True)
+    print("medians:")
+    for f in families:
+        one, plain = (statistics.median(records[f][k]) for k in ("one call", "transformers"))
+        saved = (1 / plain - 1 / one) * 1e3 / models[f].config.num_hidden_layers
+        print(f"  {f}: {one:.1f} vs {plain:.1f} tokens/s = {one / plain:.2f}x, {saved:.2f} ms a layer saved a step")
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "records": records}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
