@@ -249,9 +249,12 @@ class GGUFModel:
         self.meta = _Meta(file, self.arch)
         self.tensors = {k: source.info(k) for k in source.keys()}
         self._kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
-        # GLM-4-MoE files carry their multi-token-prediction block(s) after the decoder layers
-        # (block_count counts them; llama.cpp's graph and transformers skip them): left unread.
-        self.tensors = {k: v for k, v in self.tensors.items() if _layer_of(k) < layout.num_layers}
+        if self.arch == "glm4moe":
+            # its multi-token-prediction block(s) follow the decoder layers (block_count counts them,
+            # nextn_predict_layers says how many; llama.cpp's graph and transformers skip them): left
+            # unread. Any other tensor past the layers is still an error (_entries).
+            blocks = int(self.meta.get("block_count", layout.num_layers))
+            self.tensors = {k: v for k, v in self.tensors.items() if not layout.num_layers <= _layer_of(k) < blocks}
         builders = {
             "qwen2moe": self._qwen2moe,
             "qwen3moe": self._qwen3moe,
@@ -262,7 +265,7 @@ class GGUFModel:
         fields, self._layer_names = builders[self.arch](layout)
         self.config = _make_config(fields, file.path)
         entries = self._entries(layout)
-        experts = [k for k in self.tensors if _is_expert(k)]  # the decoder layers' only
+        experts = [k for k in self.tensors if _is_expert(k)]
         self.source = GGUFTensors(source, entries, experts)
         self.layout = dataclasses.replace(layout, model_type=self.config.model_type)
 
@@ -492,7 +495,7 @@ class GGUFModel:
         }
         return fields, names
 
-    def _head_dim_and_rotary(self, fields: dict[str, Any]) -> int:
+    def _head_dim_and_rotary(self, fields: dict[str, Any]) -> None:
         """head_dim, KV heads and the rotary part (``rope.dimension_count`` of each head's leading
         values, llama.cpp's NEOX rope = transformers' rotate_half) of the partial-rotary families."""
         m = self.meta
@@ -509,7 +512,6 @@ class GGUFModel:
         fields["head_dim"] = head_dim
         fields["num_key_value_heads"] = m.count("attention.head_count_kv", "num_key_value_heads", heads)
         fields["rope_parameters"] = self._rope() | {"partial_rotary_factor": rotary / head_dim}
-        return head_dim
 
     def _sigmoid_gating(self) -> None:
         """GLM-4-MoE and MiniMax-M2 route by sigmoid scores (the bias only selects): a file that says
@@ -557,7 +559,6 @@ class GGUFModel:
 
         def names(layer: int) -> dict[str, str]:
             qkv = {k: v for k, v in _QKV.items() if fields["attention_bias"] or not k.endswith(".bias")}
-            qkv.pop("attn_output.bias", None)  # o_proj has no bias in GLM-4-MoE
             norms = _QK_NORM if fields["use_qk_norm"] else {}
             mlp = _GLM_ROUTER | _DEEPSEEK_SHARED if layer in layout.moe_layers else _DENSE_MLP
             return _GLM_NORMS | qkv | norms | mlp
