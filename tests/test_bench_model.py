@@ -109,3 +109,24 @@ def test_llama_bench_output_is_read_as_measured(tmp_path) -> None:
     fake.chmod(0o755)
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert llama_bench(fake, tmp_path / "m.gguf", 2, 8, (16,)) == {"prefill 16": 120.5, "decode": 30.25}
+
+
+def test_llama_bench_takes_the_faster_repacking_and_runs_without_it_where_it_fails(tmp_path) -> None:
+    """llama.cpp at its best: each test the faster of --repack 0 and 1; where the repacked run dies
+    (AMX CPUs), the run with --repack 0 alone."""
+    from hetmoe.bench.llama_cpp import llama_bench
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    both = (
+        '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 90.0}, {"n_prompt": 0, "n_gen": 8, "avg_ts": 40.0},'
+        ' {"n_prompt": 16, "n_gen": 0, "avg_ts": 60.0}, {"n_prompt": 0, "n_gen": 8, "avg_ts": 50.0}]'
+    )
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho '{both}'\n")
+    fake.chmod(0o755)
+    assert llama_bench(fake, tmp_path / "m.gguf", 2, 8, (16,)) == {"prefill 16": 90.0, "decode": 50.0}
+    plain = '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 70.0}, {"n_prompt": 0, "n_gen": 8, "avg_ts": 30.0}]'
+    fake.write_text(  # dies like the AMX repack when asked for "0,1"
+        f'#!/bin/sh\ncase "$*" in *"--repack 0,1"*) kill -ILL $$;; esac\necho \'{plain}\'\n'
+    )
+    assert llama_bench(fake, tmp_path / "m.gguf", 2, 8, (16,)) == {"prefill 16": 70.0, "decode": 30.0}
