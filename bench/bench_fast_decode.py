@@ -118,7 +118,7 @@ def decode_speed(model: Any, steps: int) -> float:
 def transformers_layers(model: Any) -> dict[int, Any]:
     """Take the one-call forwards off (returned, to put back)."""
     taken = {}
-    for m in [model, *model.modules()]:
+    for m in model.modules():  # the model itself first
         if "forward" in vars(m):
             taken[id(m)] = (m, vars(m).pop("forward"))
     return taken

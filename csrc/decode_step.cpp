@@ -77,11 +77,11 @@ void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, in
   const uint8_t* src = static_cast<const uint8_t*>(qkv);
   thread_local std::vector<uint8_t> normed, rotated;
   thread_local std::vector<float> qf, of;
-  normed.resize(size_t(heads + kv_heads) * D * elem);
-  rotated.resize(normed.size());
+  rotated.resize(size_t(heads + kv_heads) * D * elem);
   const uint8_t* qn = src;
   const uint8_t* kn = src + size_t(heads) * D * elem;
   if (qk_norm != kQKNormNone) {
+    normed.resize(rotated.size());
     uint8_t* q_out = normed.data();
     uint8_t* k_out = q_out + size_t(heads) * D * elem;
     // Per head: rows of D; over the projection: one row of all the heads' values.

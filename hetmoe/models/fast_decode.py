@@ -92,7 +92,7 @@ def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
             count += 1
     causal = adapter.decode_causal_lm
     if layers and count == len(layers) and causal is not None and type(model).__name__ == causal[0]:
-        model._hetmoe_output_class = causal[1]
+        model._hetmoe_output = getattr(_transformers().outputs, causal[1])  # the class its forward returns
         model.forward = types.MethodType(_make_causal_forward(type(model).forward), model)
     return count
 
@@ -196,8 +196,7 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
             out = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
         hidden = out
     hidden = inner.norm(hidden)
-    output = getattr(_transformers().outputs, model._hetmoe_output_class)
-    return output(logits=model.lm_head(hidden), cache=cache)
+    return model._hetmoe_output(logits=model.lm_head(hidden), cache=cache)
 
 
 def _make_forward(original: Any) -> Any:
