@@ -12,8 +12,11 @@ are smaller. Models are built once (random bf16, transformers' ``save_pretrained
 
 Per round and family: decode tokens/s of --steps greedy one-token steps after a 32-token prompt,
 ``load_model(DIR)`` with its defaults, once as loaded ("one call") and once with the decoder
-layers' and the causal LM's forwards set back to transformers' ("transformers' layers"). Prints
-each round, then the medians and the time a step saves per layer. Nothing printed is stored.
+layers' and the causal LM's forwards set back to transformers' ("transformers' layers"); for a
+family whose class has no SDPA (gpt-oss), a third time on transformers' eager attention as well,
+the way it ran before the engine's kernels took its sinks. Prints each round, then the medians and
+the time a step saves per layer. Nothing printed is stored. gpt-oss alternates sliding-window
+(128) and full layers: ``--prompt 160`` decodes past the window.
 """
 
 from __future__ import annotations
@@ -78,6 +81,30 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 8,
         },
     ),
+    "gpt_oss": (
+        "gpt-oss-20b",
+        {
+            "hidden_size": 2880,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "attention_bias": True,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            "intermediate_size": 2880,
+            "num_local_experts": 16,
+            "num_experts_per_tok": 4,
+        },
+    ),
 }
 DEFAULT_CACHE = Path.home() / ".cache" / "hetmoe" / "bench-fast-decode"
 
@@ -102,10 +129,10 @@ def build(family: str, cache: Path) -> Path:
     return out
 
 
-def decode_speed(model: Any, steps: int) -> float:
+def decode_speed(model: Any, steps: int, prompt: int) -> float:
     from hetmoe.runtime.kv_cache import growing_cache
 
-    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (1, prompt), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         cache = growing_cache(model.config)
         token = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
@@ -124,11 +151,23 @@ def transformers_layers(model: Any) -> dict[int, Any]:
     return taken
 
 
+def eager_attention(model: Any) -> str | None:
+    """Put a model that hetmoe switched from transformers' eager attention (a class without SDPA:
+    gpt-oss) back on it, as it ran before the engine's kernels took its sinks; returns the name to
+    restore, or None for the other families."""
+    if getattr(model, "_supports_sdpa", True):
+        return None
+    name = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    return name
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", action="append", choices=list(SHAPES), help="repeat; default: all")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens before the steps (default 32)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"model directory (default {DEFAULT_CACHE})")
     p.add_argument("--json", type=Path, help="write every number here")
@@ -141,24 +180,33 @@ def main() -> int:
         fast = sum(getattr(vars(m).get("forward"), "hetmoe_fast_decode", False) for m in model.modules())
         print(f"{f} ({SHAPES[f][0]} attention): {fast} of {model.config.num_hidden_layers} layers take one call")
     records: dict[str, dict[str, list[float]]] = {f: {"one call": [], "transformers": []} for f in families}
-    print(f"{'family':12s} {'round':>5s} {'one call t/s':>13s} {'transformers t/s':>17s} {'x':>6s}")
+    print(f"{'family':12s} {'round':>5s} {'one call t/s':>13s} {'transformers t/s':>17s} {'x':>6s}  eager t/s")
     for r in range(args.rounds):
         for f, model in models.items():
-            one = decode_speed(model, args.steps)
+            one = decode_speed(model, args.steps, args.prompt)
             taken = transformers_layers(model)
             try:
-                plain = decode_speed(model, args.steps)
+                plain = decode_speed(model, args.steps, args.prompt)
+                ours = eager_attention(model)  # and transformers' own attention, where it was eager
+                if ours is not None:
+                    records[f].setdefault("eager", []).append(decode_speed(model, args.steps, args.prompt))
+                    model.set_attn_implementation(ours)
             finally:
                 for m, forward in taken.values():
                     m.forward = forward
             records[f]["one call"].append(one)
             records[f]["transformers"].append(plain)
-            print(f"{f:12s} {r:5d} {one:13.1f} {plain:17.1f} {one / plain:6.2f}", flush=True)
+            eager = f"{records[f]['eager'][-1]:10.1f}" if "eager" in records[f] else ""
+            print(f"{f:12s} {r:5d} {one:13.1f} {plain:17.1f} {one / plain:6.2f}{eager}", flush=True)
     print("medians:")
     for f in families:
         one, plain = (statistics.median(records[f][k]) for k in ("one call", "transformers"))
         saved = (1 / plain - 1 / one) * 1e3 / models[f].config.num_hidden_layers
-        print(f"  {f}: {one:.1f} vs {plain:.1f} tokens/s = {one / plain:.2f}x, {saved:.2f} ms a layer saved a step")
+        line = f"  {f}: {one:.1f} vs {plain:.1f} tokens/s = {one / plain:.2f}x, {saved:.2f} ms a layer saved a step"
+        if "eager" in records[f]:
+            eager = statistics.median(records[f]["eager"])
+            line += f"; against transformers' eager attention {eager:.1f} tokens/s = {one / eager:.2f}x"
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "records": records}, indent=2))
     return 0

@@ -286,10 +286,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "attn_decode",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t kv_heads, int groups, int64_t L,
-         int D, py::tuple k_strides, py::tuple v_strides, uintptr_t mask, float scale, uintptr_t out) {
+         int D, py::tuple k_strides, py::tuple v_strides, uintptr_t mask, float scale, uintptr_t out, uintptr_t sinks) {
         // Shapes, dtypes and layouts are checked in Python (hetmoe/models/cpu_attention.py):
         // q fp32 [B, KV, G, D] contiguous; k, v [B, KV, L, D] with the given (batch, head, row)
-        // strides in elements and unit stride along D; mask fp32 additive [B, L] contiguous or 0.
+        // strides in elements and unit stride along D; mask fp32 additive [B, L] contiguous or 0;
+        // sinks fp32 [KV * G] contiguous or 0.
         if (!g_selected) throw py::value_error("select_isa() must be called first");
         if (kv_dtype != kF32 && kv_dtype != kBF16Data) throw py::value_error("attn_decode: kv dtype must be 0 or 1");
         if (D <= 0 || D % 16 || groups <= 0 || L <= 0) throw py::value_error("attn_decode: bad shape");
@@ -301,11 +302,12 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         attn_decode_heads(g_selected, reinterpret_cast<const float*>(q), batch, kv_heads, groups, L, D,
                           reinterpret_cast<const uint8_t*>(k), kb, kh, kr, reinterpret_cast<const uint8_t*>(v), vb, vh,
-                          vr, kv_dtype, reinterpret_cast<const float*>(mask), scale, reinterpret_cast<float*>(out));
+                          vr, kv_dtype, reinterpret_cast<const float*>(mask), reinterpret_cast<const float*>(sinks),
+                          scale, reinterpret_cast<float*>(out));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("kv_heads"),
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
-      py::arg("mask"), py::arg("scale"), py::arg("out"));
+      py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("sinks") = 0);
   m.def(
       "head_gemv_bf16",
       [](uintptr_t w, int64_t w_head, int64_t w_row, int64_t heads, int N, int K, uintptr_t x, int64_t x_stride,
@@ -386,11 +388,12 @@ PYBIND11_MODULE(_C, m) {
       "attn_prefill",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t heads, int64_t kv_heads,
          int64_t tokens, int64_t L, int Dk, int Dv, py::tuple k_strides, py::tuple v_strides, uintptr_t mask,
-         int64_t mask_heads, int64_t past, bool causal, float scale, uintptr_t out) {
+         int64_t mask_heads, int64_t past, bool causal, float scale, uintptr_t out, uintptr_t sinks) {
         // Shapes, dtypes and layouts are checked in Python (hetmoe/models/cpu_attention.py): q fp32
         // [B, H, T, Dk] contiguous; k [B, KV, L, Dk], v [B, KV, L, Dv] with the given (batch, head,
         // row) strides in elements and unit stride along D; mask fp32 additive [B, mask_heads, T, L]
-        // contiguous or 0; out fp32 [B, T, H, Dv]. Causal: token t sees keys l <= past + t.
+        // contiguous or 0; sinks fp32 [H] contiguous or 0; out fp32 [B, T, H, Dv]. Causal: token t
+        // sees keys l <= past + t.
         if (!g_selected) throw py::value_error("select_isa() must be called first");
         if (kv_dtype != kF32 && kv_dtype != kBF16Data) throw py::value_error("attn_prefill: kv dtype must be 0 or 1");
         if (Dk <= 0 || Dk % 16 || Dv <= 0 || Dv % 16 || kv_heads <= 0 || heads % kv_heads || L <= 0 || tokens <= 0)
@@ -409,6 +412,7 @@ PYBIND11_MODULE(_C, m) {
         const KernelTable* kt = g_selected;
         const float* qf = reinterpret_cast<const float*>(q);
         const float* mf = reinterpret_cast<const float*>(mask);
+        const float* sf = reinterpret_cast<const float*>(sinks);
         float* of = reinterpret_cast<float*>(out);
         // One item per (batch row, KV head, block of tokens), over the engine's pool; the later
         // tokens' blocks (longer causal prefixes) are claimed as the others finish.
@@ -417,10 +421,11 @@ PYBIND11_MODULE(_C, m) {
           thread_local std::vector<const float*> qrows, mrows;
           thread_local std::vector<float*> orows;
           thread_local std::vector<int64_t> visible;
+          thread_local std::vector<float> row_sinks;
           const int64_t b = item / (kv_heads * blocks), h = item / blocks % kv_heads, t0 = item % blocks * kTokensPerItem;
           const int64_t nt = std::min(kTokensPerItem, tokens - t0);
           const int M = int(G * nt);
-          qrows.resize(M), mrows.resize(M), orows.resize(M), visible.resize(M);
+          qrows.resize(M), mrows.resize(M), orows.resize(M), visible.resize(M), row_sinks.resize(M);
           for (int64_t g = 0; g < G; ++g) {
             const int64_t head = h * G + g;
             for (int64_t i = 0; i < nt; ++i) {
@@ -428,6 +433,7 @@ PYBIND11_MODULE(_C, m) {
               qrows[m] = qf + ((b * heads + head) * tokens + t) * Dk;
               orows[m] = of + ((b * tokens + t) * heads + head) * Dv;
               visible[m] = causal ? std::min(L, past + t + 1) : L;
+              row_sinks[m] = sf ? sf[head] : 0.f;
               mrows[m] = mf ? mf + ((b * mask_heads + (mask_heads == 1 ? 0 : head)) * tokens + t) * L : nullptr;
             }
           }
@@ -435,7 +441,8 @@ PYBIND11_MODULE(_C, m) {
           if (scratch.size() < need) scratch.resize(need);
           kt->attn_prefill(qrows.data(), M, visible.data(), reinterpret_cast<const uint8_t*>(k) + (b * kb + h * kh) * elem,
                            reinterpret_cast<const uint8_t*>(v) + (b * vb + h * vh) * elem, kv_dtype, Dk, Dv, kr, vr,
-                           mf ? mrows.data() : nullptr, scale, orows.data(), scratch.data());
+                           mf ? mrows.data() : nullptr, sf ? row_sinks.data() : nullptr, scale, orows.data(),
+                           scratch.data());
         });
         global_pool()->submit(job);
         job->wait();
@@ -443,7 +450,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_dtype"), py::arg("batch"), py::arg("heads"),
       py::arg("kv_heads"), py::arg("tokens"), py::arg("length"), py::arg("dk"), py::arg("dv"), py::arg("k_strides"),
       py::arg("v_strides"), py::arg("mask"), py::arg("mask_heads"), py::arg("past"), py::arg("causal"),
-      py::arg("scale"), py::arg("out"));
+      py::arg("scale"), py::arg("out"), py::arg("sinks") = 0);
   m.def(
       "rope",
       [](uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype, int64_t batch, int64_t heads,
@@ -571,11 +578,11 @@ PYBIND11_MODULE(_C, m) {
   py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
       .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,
                        float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router, int qk_norm,
-                       int64_t rotary_dim) {
+                       int64_t rotary_dim, uintptr_t sinks) {
              // A decoder layer's attention half for one token (decode_step.h); norms: four (weight
              // pointer, eps, mode) for the input, q, k and post-attention norms (q and k: (0, 0, 0)
-             // under qk_norm 0). Weights in `dtype` stay owned by Python (hetmoe/models/fast_decode.py
-             // keeps them with the block).
+             // under qk_norm 0); sinks: fp32 [heads] or 0. Weights in `dtype` and the sinks stay owned
+             // by Python (hetmoe/models/fast_decode.py keeps them with the block).
              if (!g_selected) throw py::value_error("select_isa() must be called first");
              if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("DecodeAttentionBlock: dtype must be 0 or 1");
              if (hidden <= 0 || D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || norms.size() != 4)
@@ -597,24 +604,41 @@ PYBIND11_MODULE(_C, m) {
                if (used && (!spec[i].weight || spec[i].mode < kNormCastThenScale || spec[i].mode > kNormOffsetScale))
                  throw py::value_error("DecodeAttentionBlock: norm " + std::to_string(i) + " needs a weight and a mode");
              }
-             return new DecodeAttentionBlock{g_selected, dtype,   hidden,  heads,   kv_heads, D,      spec[0],
-                                             spec[1],    spec[2], spec[3], qk_norm, rotary_dim, scale, qkv,
-                                             o_proj,     router};
+             return new DecodeAttentionBlock{g_selected,
+                                             dtype,
+                                             hidden,
+                                             heads,
+                                             kv_heads,
+                                             D,
+                                             spec[0],
+                                             spec[1],
+                                             spec[2],
+                                             spec[3],
+                                             qk_norm,
+                                             rotary_dim,
+                                             reinterpret_cast<const float*>(sinks),
+                                             scale,
+                                             qkv,
+                                             o_proj,
+                                             router};
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
-           py::arg("qk_norm"), py::arg("rotary_dim"), py::keep_alive<1, 9>(),
+           py::arg("qk_norm"), py::arg("rotary_dim"), py::arg("sinks"), py::keep_alive<1, 9>(),
            py::keep_alive<1, 10>(), py::keep_alive<1, 11>())
       .def(
           "run",
           [](const DecodeAttentionBlock& b, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,
              int64_t k_head_stride, int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, int64_t position,
-             int64_t capacity, uintptr_t x_out, uintptr_t h_out, uintptr_t logits) {
+             int64_t capacity, uintptr_t x_out, uintptr_t h_out, uintptr_t logits, int64_t first) {
             // The new K/V row goes to `position` of buffers holding `capacity` rows a head: past them the
             // write would land in the next head's rows or outside the buffers.
             if (position < 0 || position >= capacity)
               throw py::value_error("DecodeAttentionBlock.run: position " + std::to_string(position) +
                                     " is outside the cache's " + std::to_string(capacity) + " rows");
+            if (first < 0 || first > position)
+              throw py::value_error("DecodeAttentionBlock.run: first row " + std::to_string(first) +
+                                    " is not in [0, position " + std::to_string(position) + "]");
             if (k_row_stride < b.D || v_row_stride < b.D || k_head_stride < capacity * k_row_stride ||
                 v_head_stride < capacity * v_row_stride)
               throw py::value_error("DecodeAttentionBlock.run: cache strides overlap rows or heads");
@@ -624,12 +648,12 @@ PYBIND11_MODULE(_C, m) {
             b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
                   reinterpret_cast<const void*>(sin),
                   {reinterpret_cast<uint8_t*>(kbuf), reinterpret_cast<uint8_t*>(vbuf), k_head_stride, k_row_stride,
-                   v_head_stride, v_row_stride, position},
+                   v_head_stride, v_row_stride, position, first},
                   reinterpret_cast<void*>(x_out), reinterpret_cast<void*>(h_out), reinterpret_cast<void*>(logits));
           },
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"),
           py::arg("k_row_stride"), py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"),
-          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"));
+          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"), py::arg("first") = 0);
 
   py::class_<LinearEngine>(m, "LinearEngine")
       .def(py::init([](const py::tuple& weight, uintptr_t bias, int gemv_max_tokens) {

@@ -14,7 +14,8 @@ namespace hetmoe {
 
 void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int64_t kv_heads, int groups, int64_t L,
                        int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
-                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out) {
+                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, const float* sinks, float scale,
+                       float* out) {
   const size_t elem = kv_dtype == kBF16Data ? 2 : 4;
   auto job = std::make_shared<ForJob>(int(batch * kv_heads), [=](int item) {
     thread_local std::vector<float> scores;
@@ -22,7 +23,8 @@ void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int
     const int64_t b = item / kv_heads, h = item % kv_heads;
     const size_t qo = (size_t(b) * kv_heads + h) * groups * D;
     kt->attn_decode(q + qo, groups, k + (b * kb + h * kh) * elem, v + (b * vb + h * vh) * elem, kv_dtype, L, D, kr, vr,
-                    mask ? mask + b * L : nullptr, scale, scores.data(), out + qo);
+                    mask ? mask + b * L : nullptr, sinks ? sinks + h * groups : nullptr, scale, scores.data(),
+                    out + qo);
   });
   global_pool()->submit(job);
   job->wait();
@@ -71,8 +73,8 @@ void rope_heads(const void* x, const void* cos, const void* sin, void* out, int 
 
 void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, int64_t heads, int64_t kv_heads,
                            int64_t D, int qk_norm, const NormSpec& q_norm, const NormSpec& k_norm,
-                           int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv, float scale,
-                           void* out) {
+                           int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv,
+                           const float* sinks, float scale, void* out) {
   const size_t elem = dtype == kBF16Data ? 2 : 4;
   const uint8_t* src = static_cast<const uint8_t*>(qkv);
   thread_local std::vector<uint8_t> normed, rotated;
@@ -110,9 +112,10 @@ void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, in
     kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(qr), qf.data(), int(heads * D));
   else
     std::memcpy(qf.data(), qr, qf.size() * sizeof(float));
-  attn_decode_heads(kt, qf.data(), 1, kv_heads, int(heads / kv_heads), kv.position + 1, int(D), kv.k, 0,
-                    kv.k_head_stride, kv.k_row_stride, kv.v, 0, kv.v_head_stride, kv.v_row_stride, dtype, nullptr,
-                    scale, of.data());
+  const size_t skip = size_t(kv.first) * elem;  // rows before the window
+  attn_decode_heads(kt, qf.data(), 1, kv_heads, int(heads / kv_heads), kv.position + 1 - kv.first, int(D),
+                    kv.k + skip * kv.k_row_stride, 0, kv.k_head_stride, kv.k_row_stride, kv.v + skip * kv.v_row_stride,
+                    0, kv.v_head_stride, kv.v_row_stride, dtype, nullptr, sinks, scale, of.data());
   if (dtype == kBF16Data)
     kt->f32_to_bf16(of.data(), static_cast<uint16_t*>(out), int(heads * D));
   else
@@ -138,7 +141,7 @@ void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, 
   rms_norm(x, input_norm.weight, h.data(), dtype, 1, hidden, input_norm.eps, input_norm.mode);
   linear(qkv, h.data(), dtype, qkv_row.data(), dtype);
   decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, qk_norm, q_norm, k_norm, rotary_dim, cos,
-                        sin, kv, scale, attn.data());
+                        sin, kv, sinks, scale, attn.data());
   linear(o_proj, attn.data(), dtype, o.data(), dtype);
   // The residual add as torch adds two tensors of the dtype: in fp32, rounded once.
   thread_local std::vector<float> a, b;

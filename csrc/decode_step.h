@@ -13,10 +13,12 @@ namespace hetmoe {
 
 // One query token's attention for each (batch row, KV head), an item each over the engine's pool (the
 // waiting caller included): q fp32 [B, KV, G, D] contiguous; K/V rows of (b, h) at k + (b * kb + h *
-// kh) elements, kr / vr elements apart; mask fp32 additive [B, L] or nullptr; out as q.
+// kh) elements, kr / vr elements apart; mask fp32 additive [B, L] or nullptr; sinks fp32 [KV * G] (a
+// logit per query head, kernels.h) or nullptr; out as q.
 void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int64_t kv_heads, int groups, int64_t L,
                        int D, const uint8_t* k, int64_t kb, int64_t kh, int64_t kr, const uint8_t* v, int64_t vb,
-                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, float scale, float* out);
+                       int64_t vh, int64_t vr, int kv_dtype, const float* mask, const float* sinks, float scale,
+                       float* out);
 
 // y[h * N + n] = dot(W_h[n, :K], x + h * x_stride) for h < heads, n < N: a separate bf16 weight
 // block per head (MLA's W_UK^T and W_UV, models/mla_attention.py), rows w_row bytes apart and
@@ -25,12 +27,14 @@ void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int
                     int K, const float* x, int64_t x_stride, float* y);
 
 // Where the step writes this token's key and value rows and reads the cache: [heads, capacity, D]
-// buffers in the step's dtype, strides in elements (unit stride along D), `position` the new row.
+// buffers in the step's dtype, strides in elements (unit stride along D), `position` the new row; the
+// query attends over rows [first, position] (first > 0: a sliding window's, runtime/kv_cache.py).
 struct KVRows {
   uint8_t* k;
   uint8_t* v;
   int64_t k_head_stride, k_row_stride, v_head_stride, v_row_stride;
   int64_t position;
+  int64_t first;
 };
 
 // The norms' parameters as fused_norms.py describes them (norms.h: NormMode).
@@ -50,11 +54,11 @@ enum QKNorm : int {
 // qkv [(H + 2 KV) * D] in `dtype` (0 fp32, 1 bf16): q and k RMS-normed as `qk_norm` says, their first
 // `rotary_dim` values of each head rotated (cos, sin [rotary_dim]; the rest pass through, as
 // transformers' partial rotary does), k and v appended at kv.position, then the query over rows
-// [0, position]; out [H * D] in `dtype`.
+// [kv.first, position], with the heads' sinks (fp32 [H]) where given; out [H * D] in `dtype`.
 void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, int64_t heads, int64_t kv_heads,
                            int64_t D, int qk_norm, const NormSpec& q_norm, const NormSpec& k_norm,
-                           int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv, float scale,
-                           void* out);
+                           int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv,
+                           const float* sinks, float scale, void* out);
 
 // A decoder layer's attention half for one token (shapes checked by the Python side once, when it
 // makes the block, and the per-step pointers by hetmoe/models/fast_decode.py).
@@ -65,6 +69,7 @@ struct DecodeAttentionBlock {
   NormSpec input_norm, q_norm, k_norm, post_norm;
   int qk_norm;         // QKNorm; q_norm and k_norm are unused under kQKNormNone
   int64_t rotary_dim;  // even, <= D: the leading values of each head that rotate
+  const float* sinks;  // fp32 [heads] (gpt-oss), owned by Python, or nullptr
   float scale;
   LinearEngine* qkv;     // [hidden] -> [(H + 2 KV) * D]
   LinearEngine* o_proj;  // [H * D] -> [hidden]

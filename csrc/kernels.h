@@ -121,16 +121,19 @@ struct KernelTable {
   double (*fma_burn)(int64_t iters, float* sink);
   // One query token over one KV head (decode): out[g, :D] = softmax(scale * q[g] . K^T + mask) V for
   // the G query heads [G, D] fp32 sharing it; K, V rows of D (a multiple of 16) in fp32 (kv_dtype
-  // 0) or bf16 (1), k_row / v_row elements apart; mask: additive [L] or nullptr; scores: [G, L].
+  // 0) or bf16 (1), k_row / v_row elements apart; mask: additive [L] or nullptr; sinks: [G] fp32
+  // logits that join each head's softmax and are dropped from it (gpt-oss), or nullptr; scores: [G, L].
   void (*attn_decode)(const float* q, int G, const void* k, const void* v, int kv_dtype, int64_t L, int D,
-                      int64_t k_row, int64_t v_row, const float* mask, float scale, float* scores, float* out);
+                      int64_t k_row, int64_t v_row, const float* mask, const float* sinks, float scale,
+                      float* scores, float* out);
   // M query rows (prefill) over one KV head: out[m][:Dv] = softmax(scale * q[m] . K^T + mask[m]) V over
   // the keys l < visible[m]; q rows fp32 [Dk]; K rows of Dk, V rows of Dv (multiples of 16) in fp32
   // (kv_dtype 0) or bf16 (1), k_row / v_row elements apart; mask[m]: additive fp32 [L] or nullptr
-  // (mask itself may be nullptr); scratch: kAttnScratch(M, Dk, Dv) floats.
+  // (mask itself may be nullptr); sinks: [M] fp32 per row, as attn_decode's, or nullptr; scratch:
+  // kAttnScratch(M, Dk, Dv) floats.
   void (*attn_prefill)(const float* const* q, int M, const int64_t* visible, const void* k, const void* v,
                        int kv_dtype, int Dk, int Dv, int64_t k_row, int64_t v_row, const float* const* mask,
-                       float scale, float* const* out, float* scratch);
+                       const float* sinks, float scale, float* const* out, float* scratch);
 
   // ---- AMX tiles (kernels_amx.cpp; nullptr in the other units; tile_path.h drives them) ----
   // T activation rows of K (a multiple of 32) as B tiles: bf16 hi, and lo = bf16(x - hi) unless

@@ -211,3 +211,58 @@ def test_engine_kernel_reads_strided_bf16_caches(dtype: torch.dtype, dim: int) -
     assert got.dtype == dtype and got.shape == (b, 1, h, dim)
     # fp32 math on the stored values; only the output's rounding to the model dtype remains
     assert rel(got, exact) <= (2**-8 if dtype == torch.bfloat16 else 1e-6)
+
+
+class _SinkAttn(_Attn):
+    """What gpt-oss's eager attention reads of its module: the groups, and a sink logit per head."""
+
+    def __init__(self, groups: int, heads: int, seed: int) -> None:
+        super().__init__(groups)
+        self.sinks = torch.nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2)
+
+
+@pytest.mark.parametrize(("h", "kv"), [(8, 2), (16, 1), (4, 4)])
+@pytest.mark.parametrize("q_len", [1, 70])
+def test_sinks_equal_gpt_oss_eager_attention(isa: str, h: int, kv: int, q_len: int) -> None:
+    """gpt-oss's attention sinks (a logit per head that joins the softmax and is dropped) through the
+    decode and prefill kernels, on every ISA variant, against transformers' gpt-oss eager attention in
+    fp32: within fp32 rounding (1e-6 relative), with its causal sliding-window mask (the eager float
+    mask, its hidden keys at the dtype's minimum) over a cache of 30 tokens."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    b, past, window = 2, 30, 24
+    length = past + q_len
+    q, k, v = _inputs(b, h, kv, q_len, length, torch.float32, seed=h + q_len)
+    module = _SinkAttn(h // kv, h, seed=q_len)
+    pos = past + torch.arange(q_len)[:, None]
+    keys = torch.arange(length)[None, :]
+    visible = (keys <= pos) & (keys > pos - window)
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None].expand(b, 1, q_len, length)
+    with torch.no_grad():
+        got, _ = attention_forward(module, q, k, v, mask, scaling=0.125, s_aux=module.sinks)
+        want, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.125)
+        plain, _ = attention_forward(module, q, k, v, mask, scaling=0.125)
+    assert got.shape == want.shape == (b, q_len, h, 64)
+    assert rel(got, want) <= 1e-6
+    assert rel(plain, want) > 1e-2  # the sinks change the answer: the test could fail
+
+
+def test_sinks_go_to_the_models_eager_attention_where_the_kernels_do_not_apply() -> None:
+    """A head size the kernels do not take (40) with sinks: the prompt goes to gpt-oss's own eager
+    attention (not SDPA, which has no sinks), its boolean mask made additive; the one-token step runs
+    the torch matmuls with the sink column."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = _SinkAttn(2, 4, seed=7)
+    module.__class__.__module__ = "transformers.models.gpt_oss.modeling_gpt_oss"
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, n, 6, 40, generator=g) for n in (4, 2, 2))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        got, _ = attention_forward(module, q, k, v, causal, scaling=0.2, s_aux=module.sinks)
+        additive = torch.where(causal, 0.0, float("-inf"))
+        want, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.2)
+        assert rel(got, want) <= 1e-6
+        step, _ = attention_forward(module, q[:, :, -1:], k, v, None, scaling=0.2, s_aux=module.sinks)
+        want1, _ = eager_attention_forward(module, q[:, :, -1:], k, v, None, scaling=0.2)
+    assert rel(step, want1) <= 1e-6

@@ -95,7 +95,7 @@ def _block(dtype: torch.dtype = torch.float32):
     norms = [torch.ones(hidden), torch.ones(d), torch.ones(d), torch.ones(hidden)]
     block = engine_module().DecodeAttentionBlock(
         0, hidden, heads, kv, d, tuple((n.data_ptr(), 1e-6, 0) for n in norms), 0.25, qkv._engine, o._engine, None,
-        qk_norm=1, rotary_dim=d,
+        qk_norm=1, rotary_dim=d, sinks=0,
     )  # fmt: skip
     return block, (qkv, o, norms), (heads, kv, d, hidden)
 
@@ -106,6 +106,7 @@ def test_decode_block_refuses_bad_norms_and_rotary() -> None:
     specs = [(n.data_ptr(), 1e-6, 0) for n in norms]
     make = engine_module().DecodeAttentionBlock
     args = (0, hidden, heads, kv, d)
+    engines = (qkv._engine, o._engine, None)  # qkv, o_proj, no router
     for qk_norm, rotary_dim, message in (
         (3, d, "qk_norm must be 0"),
         (-1, d, "qk_norm must be 0"),
@@ -114,13 +115,13 @@ def test_decode_block_refuses_bad_norms_and_rotary() -> None:
         (1, 0, "rotary_dim must be even"),
     ):
         with pytest.raises(ValueError, match=message):
-            make(*args, tuple(specs), 0.25, qkv._engine, o._engine, None, qk_norm=qk_norm, rotary_dim=rotary_dim)
+            make(*args, tuple(specs), 0.25, *engines, qk_norm=qk_norm, rotary_dim=rotary_dim, sinks=0)
     absent = (0, 0.0, 0)
     with pytest.raises(ValueError, match="norm 1 needs a weight"):  # q/k norms asked for, none given
-        make(*args, (specs[0], absent, absent, specs[3]), 0.25, qkv._engine, o._engine, None, qk_norm=2, rotary_dim=d)
+        make(*args, (specs[0], absent, absent, specs[3]), 0.25, *engines, qk_norm=2, rotary_dim=d, sinks=0)
     with pytest.raises(ValueError, match="norm 3 needs a weight and a mode"):
-        make(*args, (*specs[:3], (specs[3][0], 1e-6, 7)), 0.25, qkv._engine, o._engine, None, qk_norm=1, rotary_dim=d)
-    make(*args, (specs[0], absent, absent, specs[3]), 0.25, qkv._engine, o._engine, None, qk_norm=0, rotary_dim=8)
+        make(*args, (*specs[:3], (specs[3][0], 1e-6, 7)), 0.25, *engines, qk_norm=1, rotary_dim=d, sinks=0)
+    make(*args, (specs[0], absent, absent, specs[3]), 0.25, *engines, qk_norm=0, rotary_dim=8, sinks=0)
 
 
 @pytest.mark.parametrize("position", [-1, 8, 9, 1 << 40])
@@ -140,6 +141,10 @@ def test_decode_block_refuses_a_row_outside_the_cache(position: int) -> None:
     with pytest.raises(ValueError, match="a null buffer"):
         block.run(*args, 0, capacity, x_out.data_ptr(), h_out.data_ptr(), x_out.data_ptr())  # logits, no router
     block.run(*args, capacity - 1, capacity, x_out.data_ptr(), h_out.data_ptr(), 0)  # the last row is fine
+    # the first row attended (a sliding window's) must lie in [0, position]
+    for first in (-1, capacity):
+        with pytest.raises(ValueError, match=f"first row {first} is not in"):
+            block.run(*args, capacity - 1, capacity, x_out.data_ptr(), h_out.data_ptr(), 0, first)
     assert torch.isfinite(x_out).all() and vbuf[0, :, capacity - 1].abs().sum() > 0
 
 

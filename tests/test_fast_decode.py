@@ -172,7 +172,8 @@ def test_block_follows_a_norm_weight_whose_storage_changed(tiny_cache) -> None:
 # arithmetic: biases on q/k/v (Qwen2-MoE by default, GLM-4-MoE's attention_bias), q/k norms per head
 # (Qwen3-MoE, GLM-4-MoE's use_qk_norm), over the whole projection (OLMoE, MiniMax-M2) or none, and
 # rotary over all of each head (Qwen3-MoE, Mixtral, ...) or its leading half (GLM-4-MoE's default,
-# MiniMax-M2's rotary_dim).
+# MiniMax-M2's rotary_dim); gpt-oss's sinks, biases, half-width rotary tables and sliding-window
+# layers (window 16: the 7-token prompt and 24 steps run past it).
 _HALF_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 FAMILIES = {
     "qwen3_moe": ("qwen3_moe", {}),
@@ -183,6 +184,7 @@ FAMILIES = {
     "minimax_m2-partial-rotary": ("minimax_m2", {"rope_parameters": _HALF_ROTARY}),
     "glm4_moe": ("glm4_moe", {}),
     "glm4_moe-qk-norm-bias": ("glm4_moe", {"use_qk_norm": True, "attention_bias": True}),
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 
@@ -233,8 +235,9 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
     assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
     # The block computes the router's logits where the adapter routes from them (the router weight
     # stays bf16 in both loads). GLM-4-MoE's router takes fp32 products, so it does not; MiniMax-M2's
-    # rounds x to the weight's dtype first, so an fp32 load's logits are refused and it routes itself.
-    if family.startswith("glm4_moe") or (family.startswith("minimax_m2") and dtype == torch.float32):
+    # rounds x to the weight's dtype first, so an fp32 load's logits are refused and it routes itself;
+    # gpt-oss's router has a bias, which the block's router call does not add.
+    if family.startswith(("glm4_moe", "gpt_oss")) or (family.startswith("minimax_m2") and dtype == torch.float32):
         assert not any(from_logits)
     else:
         assert len(from_logits) >= 24 * len(moe) and all(from_logits[-24 * len(moe) :]), from_logits

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -79,3 +81,38 @@ def test_rows_written_in_place_then_committed() -> None:
     rest = layer._kbuf.shape[-2] - layer.get_seq_length()
     layer.update(torch.randn(1, 2, rest, 8), torch.randn(1, 2, rest, 8))
     assert layer.free_row(2, 8, torch.float32) is None  # full
+
+
+def test_sliding_layer_shows_what_transformers_sliding_layer_shows(monkeypatch) -> None:
+    """SlidingLayer against transformers' DynamicSlidingWindowLayer: prompts through ``update``,
+    one-token steps written in place (free_row/commit), past the window and past the buffer's capacity
+    (where the window's rows slide back to its front), then a prompt chunk and steps again. The cached
+    rows a step attends over (``first .. row - 1``, then its own) are exactly transformers' cached rows."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    import hetmoe.runtime.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "_MIN_CAPACITY", 0)  # capacity 2 x window: slides every ~10 steps
+    window = 10
+    ours, theirs = kv_cache.SlidingLayer(window), DynamicSlidingWindowLayer(window)
+    rows: list[int] = []
+    for i, n in enumerate([4, *([1] * 30), 3, *([1] * 12)]):
+        k, v = (x[:1] for x in _states(n, i))  # one sequence
+        cached_k, cached_v = theirs.keys, theirs.values
+        theirs.update(k, v)
+        free = ours.free_row(3, 8, torch.bfloat16) if n == 1 else None
+        if free is None:
+            ours.update(k, v)
+        else:
+            row, kbuf, vbuf, first = free
+            rows.append(row)
+            assert torch.equal(kbuf[:, :, first:row], cached_k) and torch.equal(vbuf[:, :, first:row], cached_v)
+            kbuf[:, :, row] = k[:, :, 0]
+            vbuf[:, :, row] = v[:, :, 0]
+            ours.commit(1)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), i
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert ours.get_mask_sizes(1) == theirs.get_mask_sizes(1)
+    assert len(rows) == 42  # every step after the first prompt's and the chunk's was written in place
+    assert any(b < a for a, b in itertools.pairwise(rows))  # the rows slid back at least once
+    assert ours._kbuf is not None and ours._kbuf.shape[-2] == 2 * window

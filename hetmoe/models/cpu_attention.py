@@ -10,14 +10,20 @@ The decode path runs in the engine (``attn_decode``: bf16 or fp32 K/V read in pl
 layout allows, else as the two matmuls in torch.
 
 ``attention_forward`` takes that shorter road for exactly the case it is for (a one-token query on
-the CPU, no dropout, no position bias, soft-cap or attention sinks) and hands every other call
-(prefill, GPUs, exotic options) to transformers' own ``sdpa_attention_forward`` unchanged. The math
-is the same as SDPA's: ``softmax(q k^T * scaling + mask) v``, the mask boolean (False = hidden) or
-additive, in fp32, so it is at least as accurate as the bf16 kernel it replaces.
+the CPU, no dropout, no position bias or soft-cap), prompts through the engine's prefill kernel, and
+hands every other call (GPUs, exotic options) to transformers' own ``sdpa_attention_forward``
+unchanged. The math is the same as SDPA's: ``softmax(q k^T * scaling + mask) v``, the mask boolean
+(False = hidden) or additive, in fp32, so it is at least as accurate as the bf16 kernel it replaces.
+
+gpt-oss adds attention sinks (``s_aux``: one logit per head that joins the softmax and is dropped
+from it) and has no SDPA path in transformers: its model is switched from eager attention to this
+one, the kernels take the sinks, and what they do not take goes to the model's own
+``eager_attention_forward``.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -25,6 +31,10 @@ import torch
 from ..kernels.dispatch import engine_module
 
 ATTENTION_NAME = "hetmoe_cpu_sdpa"
+# The same function for models whose class has no SDPA path (gpt-oss), under a name without "sdpa":
+# transformers checks a model's SDPA support for any implementation named so.
+EAGER_ATTENTION_NAME = "hetmoe_cpu_attention"
+ATTENTION_NAMES = (ATTENTION_NAME, EAGER_ATTENTION_NAME)
 
 
 def attention_forward(
@@ -41,30 +51,63 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query [B,H,q,D]``, ``key/value [B,KV,L,D]`` ->
     ``(out [B,q,H,D], None)``."""
+    sinks = _sinks(kwargs.get("s_aux"), query.shape[1])
     if not _takes_decode_path(module, query, key, value, attention_mask, dropout, position_bias, kwargs):
         prefill = _prefill_plan(module, query, key, value, attention_mask, dropout, is_causal, position_bias, kwargs)
         if prefill is not None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return _engine_prefill(query, key, value, prefill, scale), None
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, **kwargs
-        )
+            return _engine_prefill(query, key, value, prefill, scale, sinks), None
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, kwargs)
     b, h, _, d = query.shape
     kv = key.shape[1]
     groups = h // kv
     scale = scaling if scaling is not None else d**-0.5
     q = query.reshape(b, kv, groups, d).float()  # the query heads sharing a KV head, side by side
     if _engine_takes(key, value, attention_mask, d):
-        return _engine_attention(q, key, value, attention_mask, scale).reshape(b, 1, h, d).to(query.dtype), None
+        out = _engine_attention(q, key, value, attention_mask, scale, sinks)
+        return out.reshape(b, 1, h, d).to(query.dtype), None
     scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, KV, G, L]
     if attention_mask is not None:
         mask = _grouped(attention_mask, b, kv, groups)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:  # one more logit a head, dropped after the softmax
+        column = sinks.reshape(1, kv, groups, 1).expand(b, kv, groups, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, value.float())  # [B, KV, G, D]
     return out.reshape(b, 1, h, d).to(query.dtype), None
+
+
+def _sinks(s_aux: Any, heads: int) -> torch.Tensor | None:
+    """gpt-oss's attention sinks as the kernels take them (fp32 ``[heads]``, contiguous); None when the
+    call has none. Sinks of another shape make the call not plain (``_plain_attention``)."""
+    if not isinstance(s_aux, torch.Tensor) or s_aux.shape != (heads,):
+        return None
+    return s_aux.detach().float().contiguous()
+
+
+def _fallback(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    position_bias: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, Any]:
+    """What the kernels do not take: transformers' SDPA, or, for a model with sinks (SDPA has none),
+    the model's own eager attention, given the mask as the additive one it expects."""
+    if kwargs.get("s_aux") is not None:
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        additive = _additive(mask).to(query.dtype) if mask is not None and mask.dtype == torch.bool else mask
+        return eager(module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, is_causal, position_bias, **kwargs)
 
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -85,7 +128,12 @@ def _engine_takes(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | N
 
 
 def _engine_attention(
-    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The grouped queries ``q [B, KV, G, D]`` (fp32) over K/V in the engine: out ``[B, KV, G, D]`` fp32.
 
@@ -115,6 +163,7 @@ def _engine_attention(
         additive.data_ptr() if additive is not None else 0,
         float(scale),
         out.data_ptr(),
+        sinks=sinks.data_ptr() if sinks is not None else 0,
     )
     return out
 
@@ -169,14 +218,21 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean mask (False = hidden) as fp32 0 / -inf; an additive one as fp32."""
+    """A boolean mask (False = hidden) as fp32 0 / -inf; an additive one as fp32, its dtype's minimum
+    (how transformers' eager masks hide a key) as -inf, so the kernels weigh hidden keys exactly 0."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return mask.float()
+    hidden = mask <= torch.finfo(mask.dtype).min
+    return mask.float().masked_fill(hidden, float("-inf"))  # not in place: the caller's mask stays
 
 
 def _engine_prefill(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: tuple[torch.Tensor | None, bool], scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: tuple[torch.Tensor | None, bool],
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query ``[B, H, T, Dk]`` over K ``[B, KV, L, Dk]``, V ``[B, KV, L, Dv]`` in the engine -> ``[B, T, H, Dv]``
     in the query's dtype (what SDPA's attention function returns), fp32 inside, K/V read as stored.
@@ -209,6 +265,7 @@ def _engine_prefill(
         causal,
         float(scale),
         out.data_ptr(),
+        sinks=sinks.data_ptr() if sinks is not None else 0,
     )
     return out.to(query.dtype)
 
@@ -222,12 +279,18 @@ def _plain_attention(
     position_bias: torch.Tensor | None,
     kwargs: dict[str, Any],
 ) -> bool:
-    """softmax(q k^T * scale + mask) v on the CPU: no position bias, dropout, soft-cap or sinks."""
+    """softmax(q k^T * scale + mask) v on the CPU, with gpt-oss's sinks or none: no position bias,
+    dropout or soft-cap."""
     if query.device.type != "cpu" or query.dim() != 4:
         return False
     if position_bias is not None or (dropout and module.training) or kwargs.get("output_attentions"):
         return False
-    if any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks")):
+    if any(kwargs.get(k) is not None for k in ("softcap", "sinks")):
+        return False
+    s_aux = kwargs.get("s_aux")
+    # sinks of another shape, or ones that want a gradient: the model's own attention
+    wants_grad = isinstance(s_aux, torch.Tensor) and s_aux.requires_grad and torch.is_grad_enabled()
+    if s_aux is not None and (_sinks(s_aux, query.shape[1]) is None or wants_grad):
         return False
     return key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
 
@@ -286,5 +349,8 @@ def switch_attention(model: Any, name: str, fn: Any, replaces: tuple[str, ...]) 
 
 
 def use_cpu_attention(model: Any) -> bool:
-    """Switch a model on transformers' SDPA attention to this one; False (unchanged) for any other."""
-    return switch_attention(model, ATTENTION_NAME, attention_forward, ("sdpa",))
+    """Switch a model on transformers' SDPA attention to this one, or on eager attention where its class
+    has no SDPA path (gpt-oss); False (unchanged) for any other."""
+    if getattr(model, "_supports_sdpa", True):
+        return switch_attention(model, ATTENTION_NAME, attention_forward, ("sdpa",))
+    return switch_attention(model, EAGER_ATTENTION_NAME, attention_forward, ("eager",))

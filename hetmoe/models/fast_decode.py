@@ -5,7 +5,7 @@ it in Python: transformers' decoder layer, its attention module (a deprecation w
 unpacking, the attention-interface lookup), six module calls for q/k/v and their norms. For the
 case that matters most on a CPU, one token of one sequence, ``install_fast_decode`` gives each
 decoder layer of a family whose adapter names it (``MoEAdapter.decode_layer``: Qwen3-MoE,
-Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2, GLM-4-MoE) a forward that calls the same modules' engine
+Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2, GLM-4-MoE, gpt-oss) a forward that calls the same modules' engine
 paths directly, in the same order and with the same roundings as transformers' forward (the tests
 hold the two bit-identical over many steps). Every other call (prefill, batches, masks, another
 attention implementation, autograd, hooks) runs transformers' own forward unchanged.
@@ -14,10 +14,12 @@ It is installed only where the layer has what it reads: q/k/v fused into one eng
 (runtime/fused_linears.py), fused norms, this project's CPU attention. Where the cache appends in
 place (runtime/kv_cache.py), the whole attention half of a layer, and its router's logits where the
 adapter routes from them, are one engine call (``DecodeAttentionBlock``, csrc/decode_step.h): the
-q/k norms per head, over the whole projection or none (``MoEAdapter.decode_qk_norm``), and the
-rotary embedding over each head's leading values (partial rotary: GLM-4-MoE, MiniMax-M2). Where it
-does not (another cache), Qwen3-MoE's layers take the same steps as separate engine calls; other
-families take transformers' forward.
+q/k norms per head, over the whole projection or none (``MoEAdapter.decode_qk_norm``), the
+rotary embedding over each head's leading values (partial rotary: GLM-4-MoE, MiniMax-M2; gpt-oss's
+tables of each frequency once, ``decode_rotary_tables``), gpt-oss's attention sinks and its
+sliding-window layers (the step attends over the window's rows of a ``SlidingLayer``, so no mask is
+needed past the window). Where it does not (another cache), Qwen3-MoE's layers take the same steps
+as separate engine calls; other families take transformers' forward.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..runtime.fused_linears import FusedLinears
 from ..runtime.hybrid import HybridMoE
 from .adapters.base import MoEAdapter
 from .adapters.routing import engine_linear
-from .cpu_attention import ATTENTION_NAME, attention_forward
+from .cpu_attention import ATTENTION_NAMES, attention_forward
 from .fused_norms import _DTYPES, norm_rows
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
@@ -55,10 +57,12 @@ def _transformers() -> types.SimpleNamespace:
     return types.SimpleNamespace(DynamicLayer=DynamicLayer, outputs=modeling_outputs)
 
 
-def _eligible_layer(layer: nn.Module, qk_norm: str) -> bool:
+def _eligible_layer(layer: nn.Module, qk_norm: str, sinks: bool) -> bool:
     attn = getattr(layer, "self_attn", None)
     if attn is None:
         return False
+    if isinstance(getattr(attn, "sinks", None), torch.Tensor) != sinks:
+        return False  # sinks where the adapter says none, or none where it says some
     norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
     qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     if qk_norm == "none" and any(n is not None for n in qk):
@@ -82,8 +86,10 @@ def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
         if type(layer).__name__ != adapter.decode_layer:
             continue
         layers.append(layer)
-        if _eligible_layer(layer, qk_norm):
+        if _eligible_layer(layer, qk_norm, adapter.decode_sinks):
             layer._hetmoe_qk_norm = qk_norm
+            layer._hetmoe_half_tables = adapter.decode_rotary_tables == "half"
+            layer._hetmoe_router_scores = adapter.returns_router_scores
             # The step-by-step path (_one_token's second half) is Qwen3-MoE's: per-head q/k norms and
             # the fused full-head rotary of fused_rope.py.
             rotary = getattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb", None)
@@ -165,7 +171,7 @@ def _causal_fast(
         return False
     past = cache.get_seq_length()
     window = getattr(model.config, "sliding_window", None)
-    if window and past + 1 > window:  # (Qwen2-MoE's config says 0 for no window)
+    if window and past + 1 > window and not _windows_in_cache(model.config, layers):  # (Qwen2-MoE: 0 for none)
         return False  # transformers builds a sliding-window mask whenever the config names a window
     if attention_mask is not None and (attention_mask.shape != (1, past + 1) or not bool(attention_mask.all())):
         return False  # padding: the mask must reach the layers
@@ -173,6 +179,20 @@ def _causal_fast(
         return False
     inner = model.model
     return not (inner._forward_hooks or inner._forward_pre_hooks)
+
+
+def _windows_in_cache(config: Any, layers: list[Any]) -> bool:
+    """Every sliding-window layer's cache keeps only its window (transformers' sliding cache layers,
+    gpt-oss), so one query over what it holds needs no mask; the other layers attend to everything."""
+    types_ = getattr(config, "layer_types", None)
+    if not types_ or len(types_) > len(layers):
+        return False
+    for kind, layer in zip(types_, layers, strict=False):
+        if kind == "sliding_attention" and not getattr(layer, "is_sliding", False):
+            return False
+        if kind not in ("sliding_attention", "full_attention"):
+            return False
+    return True
 
 
 def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any) -> Any:
@@ -185,7 +205,7 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
         position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
     position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
     # What _takes_fast_path checks per layer, checked once for all (_causal_fast saw the cache's layers)
-    direct = inner.config._attn_implementation == ATTENTION_NAME and not (
+    direct = inner.config._attn_implementation in ATTENTION_NAMES and not (
         hidden.requires_grad and torch.is_grad_enabled()
     )
     for layer in inner.layers[: inner.config.num_hidden_layers]:
@@ -246,7 +266,7 @@ def _takes_fast_path(
         return False
     if torch.is_grad_enabled() and x.requires_grad:
         return False
-    if kwargs.get("output_attentions") or layer.self_attn.config._attn_implementation != ATTENTION_NAME:
+    if kwargs.get("output_attentions") or layer.self_attn.config._attn_implementation not in ATTENTION_NAMES:
         return False
     layers = getattr(cache, "layers", None)
     idx = layer.self_attn.layer_idx
@@ -337,7 +357,8 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> t
     memory the block reads: so the norms' data pointers are compared too); None where the layer's
     parts do not fit it."""
     children = layer._modules  # not attribute access: see _parts_unhooked
-    attn = children["self_attn"]._modules
+    self_attn = children["self_attn"]
+    attn = self_attn._modules
     qk = layer.__dict__["_hetmoe_qk_norm"] != "none"
     parts = (
         dtype,
@@ -346,11 +367,12 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> t
         attn["q_norm"]._parameters["weight"] if qk else None,
         attn["k_norm"]._parameters["weight"] if qk else None,
         children["post_attention_layernorm"]._parameters["weight"],
+        self_attn._parameters.get("sinks"),
         attn["fused_qkv_proj"]._modules["linear"],
         attn["o_proj"],
         _router_engine(children["mlp"]),
     )
-    pointers = tuple(None if p is None else p.data_ptr() for p in parts[2:6])
+    pointers = tuple(None if p is None else p.data_ptr() for p in parts[2:7])
     cached = layer.__dict__.get("_hetmoe_decode_block")
     if (
         cached is not None
@@ -366,7 +388,7 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> t
 
 def _make_attention_block(
     layer: nn.Module, dtype: torch.dtype, rotary_dim: int, router: Any
-) -> tuple[Any, Any, int] | None:
+) -> tuple[Any, Any, int, torch.Tensor | None] | None:
     attn = layer.self_attn
     group: FusedLinears = attn.fused_qkv_proj
     d, b = attn.head_dim, group.bounds
@@ -387,6 +409,11 @@ def _make_attention_block(
             return None
     if router is not None and router.in_features != hidden:
         router = None
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None:
+        if sinks.shape != (heads,):
+            return None
+        sinks = sinks.detach().float().contiguous()  # what the kernel reads: kept with the block
     absent = (0, 0.0, 0)
     qk = (absent, absent) if qk_norm == "none" else (_norm_spec(attn.q_norm), _norm_spec(attn.k_norm))
     norms = (_norm_spec(layer.input_layernorm), *qk, _norm_spec(layer.post_attention_layernorm))
@@ -403,8 +430,9 @@ def _make_attention_block(
         None if router is None else router._engine,
         qk_norm=QK_NORMS[qk_norm],
         rotary_dim=rotary_dim,
+        sinks=0 if sinks is None else sinks.data_ptr(),
     )
-    return block, router, kv
+    return block, router, kv, sinks
 
 
 def _norm_spec(norm: nn.Module) -> tuple[int, float, int]:
@@ -421,11 +449,13 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
         return None
     dtype = x.dtype
     cos, sin = position_embeddings
+    if layer.__dict__["_hetmoe_half_tables"]:  # each frequency once: the layout rotate_half reads
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     rotary_dim = cos.shape[-1]
     made = _attention_block(layer, dtype, rotary_dim)
     if made is None or x.numel() != attn._modules["o_proj"].out_features:
         return None
-    block, router, kv_heads = made
+    block, router, kv_heads, _ = made
     d = attn.head_dim
     if not _rotary_applies(cos, sin, rotary_dim, dtype):
         return None
@@ -434,7 +464,10 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     free = free_row(kv_heads, d, dtype) if free_row is not None else None
     if free is None:
         return None
-    row, kbuf, vbuf = free
+    row, kbuf, vbuf, first = free
+    window = getattr(attn, "sliding_window", None)
+    if window:  # the token sees itself and the window - 1 before it, whatever the cache keeps
+        first = max(first, row + 1 - window)
     hidden = x.shape[-1]
     x_out = torch.empty(1, 1, hidden, dtype=dtype)
     h_out = torch.empty(1, hidden, dtype=dtype)
@@ -454,14 +487,14 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
         x_out.data_ptr(),
         h_out.data_ptr(),
         0 if logits is None else logits.data_ptr(),
+        first,
     )
     layer_cache.commit(1)
     mlp = layer._modules["mlp"]
-    if logits is None:
-        return x_out + mlp(h_out.view(1, 1, hidden))
-    routed = mlp.adapter.route_logits(mlp, logits)
-    if routed is None:  # the adapter does not route from these logits after all
-        return x_out + mlp(h_out.view(1, 1, hidden))
+    routed = None if logits is None else mlp.adapter.route_logits(mlp, logits)
+    if routed is None:  # no logits, or the adapter does not route from these after all
+        out = mlp(h_out.view(1, 1, hidden))
+        return x_out + (out[0] if layer.__dict__["_hetmoe_router_scores"] else out)
     return x_out + mlp.forward_routed(h_out, *routed).view(1, 1, hidden)
 
 

@@ -15,7 +15,7 @@ from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears, FusedSlice
 from ..runtime.hybrid import HybridMoE
 from ..runtime.torch_experts import TorchCPUExperts
-from .cpu_attention import ATTENTION_NAME
+from .cpu_attention import ATTENTION_NAMES
 
 
 def layer_paths(model: nn.Module) -> list[str]:
@@ -47,7 +47,7 @@ def _attention(model: nn.Module, layer: nn.Module) -> str:
     if getattr(layer.__dict__.get("forward"), "hetmoe_fast_decode", False):
         return "one engine call a decode step (fast_decode.py)"
     implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation == ATTENTION_NAME:
+    if implementation in ATTENTION_NAMES:
         modeling = sys.modules.get(type(layer).__module__)
         rope = getattr(getattr(modeling, "apply_rotary_pos_emb", None), "hetmoe_original", None)
         return "transformers' layer, engine attention kernel" + (", engine rotary" if rope else "")

@@ -9,8 +9,12 @@ quarter when full (amortized O(1) copies a token), and exposes the filled part a
 sequence axis). Whatever replaces those tensors from outside (``crop``, ``reorder_cache``, an
 offload) is noticed by identity and adopted into a fresh buffer on the next update.
 
-``growing_cache(config)`` is a DynamicCache whose full-attention layers are GrowingLayers (sliding
-window layers stay as transformers makes them); pass it as ``past_key_values`` / ``cache``.
+``SlidingLayer`` does the same for transformers' ``DynamicSlidingWindowLayer`` (gpt-oss's sliding
+layers): it shows the last ``sliding_window - 1`` rows as transformers' layer does, in a buffer of
+spare capacity that slides them back to its front when full (every ``capacity - window`` tokens).
+
+``growing_cache(config)`` is a DynamicCache whose attention layers are these; pass it as
+``past_key_values`` / ``cache``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 _MIN_CAPACITY = 256
 
@@ -76,20 +80,20 @@ class GrowingLayer(DynamicLayer):
         self._vbuf[..., self._len : need, :].copy_(value_states)
         return self.commit(n)
 
-    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """``(row, key buffer, value buffer)`` when one sequence's next key/value row can be written into
-        the buffers in place at ``row`` (they exist, hold what ``keys``/``values`` show, have room, and
-        are ``[1, heads, capacity, dim]`` of ``dtype``, contiguous as ``_grow`` makes them); None
-        otherwise (``update`` then does it). ``commit`` makes the written row visible."""
+    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        """``(row, key buffer, value buffer, first)`` when one sequence's next key/value row can be written
+        into the buffers in place at ``row`` (they exist, hold what ``keys``/``values`` show, have room,
+        and are ``[1, heads, capacity, dim]`` of ``dtype``, contiguous as ``_grow`` makes them), the new
+        token attending over rows ``first .. row``; None otherwise (``update`` then does it). ``commit``
+        makes the written row visible."""
         kbuf, vbuf = self._kbuf, self._vbuf
         if kbuf is None or vbuf is None or self._len >= kbuf.shape[-2]:
             return None
         if self.keys is not getattr(self, "_kview", None) or self.values is not getattr(self, "_vview", None):
             return None
-        for buf in (kbuf, vbuf):
-            if buf.dim() != 4 or buf.shape[:2] != (1, heads) or buf.shape[-1] != dim or buf.dtype != dtype:
-                return None
-        return self._len, kbuf, vbuf
+        if not _buffers_fit(kbuf, vbuf, heads, dim, dtype):
+            return None
+        return self._len, kbuf, vbuf, 0
 
     def commit(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Show ``rows`` more rows, written into the buffers at ``free_row()`` by the caller."""
@@ -105,8 +109,90 @@ class GrowingLayer(DynamicLayer):
         self._len = 0
 
 
+def _buffers_fit(kbuf: torch.Tensor, vbuf: torch.Tensor, heads: int, dim: int, dtype: torch.dtype) -> bool:
+    return all(
+        buf.dim() == 4 and buf.shape[:2] == (1, heads) and buf.shape[-1] == dim and buf.dtype == dtype
+        for buf in (kbuf, vbuf)
+    )
+
+
+class SlidingLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer (``keys``/``values``: the last ``sliding_window - 1`` tokens,
+    ``cumulative_length`` all of them) whose one-token steps append in place: rows ``[start, len)`` of
+    a buffer are what it shows. ``update`` (prompts, transformers' own forward) is transformers' own
+    concatenation; the next ``free_row`` adopts its result into a buffer again."""
+
+    def __init__(self, sliding_window: int, **kwargs: Any) -> None:
+        super().__init__(sliding_window, **kwargs)
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self._start = self._len = 0
+
+    def _shown(self) -> bool:
+        """``keys``/``values`` are still this layer's views of its buffers (nothing replaced them)."""
+        return (
+            self._kbuf is not None
+            and self.keys is getattr(self, "_kview", None)
+            and (self.values is getattr(self, "_vview", None))
+        )
+
+    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        """As GrowingLayer.free_row; ``first`` is where the window's cached rows start."""
+        if not self.is_initialized or self.record_past or self.keys.dim() != 4:
+            return None
+        keep = self.sliding_window - 1
+        if not self._shown():  # a prompt or transformers' update replaced them: adopt into a buffer
+            shown = self.keys.shape[-2]
+            if shown > keep or self.values.shape[-2] != shown:
+                return None
+            capacity = max(_MIN_CAPACITY, 2 * self.sliding_window)
+            kbuf = self.keys.new_empty((*self.keys.shape[:-2], capacity, self.keys.shape[-1]))
+            vbuf = self.values.new_empty((*self.values.shape[:-2], capacity, self.values.shape[-1]))
+            kbuf[..., :shown, :].copy_(self.keys)
+            vbuf[..., :shown, :].copy_(self.values)
+            self._kbuf, self._vbuf, self._start, self._len = kbuf, vbuf, 0, shown
+            self._show()
+        kbuf, vbuf = self._kbuf, self._vbuf
+        assert kbuf is not None and vbuf is not None
+        if not _buffers_fit(kbuf, vbuf, heads, dim, dtype):
+            return None
+        if self._len >= kbuf.shape[-2]:  # full: the window's rows back to the front
+            n = self._len - self._start
+            kbuf[..., :n, :].copy_(kbuf[..., self._start : self._len, :].clone())
+            vbuf[..., :n, :].copy_(vbuf[..., self._start : self._len, :].clone())
+            self._start, self._len = 0, n
+            self._show()
+        return self._len, kbuf, vbuf, self._start
+
+    def commit(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Show the row written at ``free_row()``'s row, and only the last ``sliding_window - 1``."""
+        assert self._kbuf is not None and self._len + rows <= self._kbuf.shape[-2]
+        self._len += rows
+        self.cumulative_length += rows
+        self._start = max(self._start, self._len - (self.sliding_window - 1))
+        self._show()
+        return self.keys, self.values
+
+    def _show(self) -> None:
+        assert self._kbuf is not None and self._vbuf is not None
+        self.keys = self._kview = self._kbuf[..., self._start : self._len, :]
+        self.values = self._vview = self._vbuf[..., self._start : self._len, :]
+
+    def reset(self) -> None:
+        super().reset()
+        self._kbuf = self._vbuf = None
+        self._start = self._len = 0
+
+
 def growing_cache(config: Any) -> DynamicCache:
-    """A DynamicCache for ``config`` whose full-attention layers append in place (GrowingLayer)."""
+    """A DynamicCache for ``config`` whose attention layers append in place (GrowingLayer, SlidingLayer)."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer = GrowingLayer()
+        elif type(layer) is DynamicSlidingWindowLayer:
+            layer = SlidingLayer(layer.sliding_window)
+        layers.append(layer)
+    cache.layers = layers
     return cache

@@ -57,6 +57,12 @@ class MoEAdapter(ABC):
     # Where that layer RMS-normalises q and k: "head" (each head's values), "projection" (all the
     # heads' values before they split) or "none".
     decode_qk_norm: str = "none"
+    # The rotary tables the model hands its layers: "full" (cos/sin over the rotated width, each
+    # frequency twice, as rotate_half reads them) or "half" (each frequency once: gpt-oss, whose
+    # layers rotate the two halves of a head by the same tables).
+    decode_rotary_tables: ClassVar[str] = "full"
+    # The attention has sinks (``self_attn.sinks``: a logit per head in the softmax, gpt-oss).
+    decode_sinks: ClassVar[bool] = False
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -28,6 +28,11 @@ class GptOssAdapter(MoEAdapter):
     block_classes = ("GptOssMLP",)
     router_attr = "router"
     returns_router_scores = True
+    decode_layer = "GptOssDecoderLayer"
+    decode_causal_lm = ("GptOssForCausalLM", "MoeCausalLMOutputWithPast")
+    decode_qk_norm = "none"
+    decode_rotary_tables = "half"
+    decode_sinks = True
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = router_logits(x, block.router.weight, block.router.bias)
