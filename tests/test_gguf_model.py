@@ -56,10 +56,14 @@ ARCH = {
     "deepseek_v2": "deepseek2",
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
+    "gpt_oss": "gpt-oss",
 }
-ARCH_ENUM = {"glm4moe": "GLM4_MOE", "minimax-m2": "MINIMAXM2"}  # the gguf package's MODEL_ARCH names
-# Per MoE layer (alternating): the ggml types of gate, up and down.
+# the gguf package's MODEL_ARCH names
+ARCH_ENUM = {"glm4moe": "GLM4_MOE", "minimax-m2": "MINIMAXM2", "gpt-oss": "GPT_OSS"}
+# Per MoE layer (alternating): the ggml types of gate, up and down. gpt-oss files hold MXFP4 experts
+# (what convert_hf_to_gguf writes from the released checkpoints); one Q8_0 projection checks the mix.
 EXPERT_TYPES = [(Q.Q8_0, Q.Q4_0, Q.Q8_0), (Q.Q4_0, Q.Q8_0, Q.Q4_0)]
+GPT_OSS_EXPERT_TYPES = [(Q.MXFP4, Q.MXFP4, Q.MXFP4), (Q.MXFP4, Q.Q8_0, Q.MXFP4)]
 # Non-expert tensors: norms and vectors F32 (as llama.cpp keeps them), these leaves as given, the rest Q8_0.
 LEAF_TYPES = {"attn_q": Q.F16, "attn_k": Q.BF16, "ffn_gate_inp": Q.F32, "attn_kv_a_mqa": Q.BF16}
 
@@ -127,6 +131,20 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
     c = config
     if arch in ("glm4moe", "minimax-m2"):
         return _partial_rotary_metadata(c, arch)
+    if arch == "gpt-oss":  # TextModel's keys (rope scaling included) + GptOssModel's (conversion/gpt_oss.py)
+        rope = c.rope_parameters
+        return _text_model_metadata(c) | {
+            "expert_count": c.num_local_experts,
+            "expert_feed_forward_length": c.intermediate_size,
+            "attention.key_length": c.head_dim,
+            "attention.value_length": c.head_dim,
+            "attention.sliding_window": c.sliding_window,
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": float(rope["factor"]),
+            "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+            "rope.scaling.yarn_beta_fast": float(rope["beta_fast"]),
+            "rope.scaling.yarn_beta_slow": float(rope["beta_slow"]),
+        }
     meta = _text_model_metadata(c) | {
         "expert_feed_forward_length": c.moe_intermediate_size,
     }
@@ -202,7 +220,22 @@ def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, tor
     out: list[tuple[str, torch.Tensor]] = []
     for name, t in model.state_dict().items():
         t = t.detach().float()
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if config.model_type == "gpt_oss" and ".mlp.experts." in name:
+            # conversion/gpt_oss.py: gate_up [E, H, 2I] transposed and de-interleaved (gate even
+            # rows, up odd), down [E, I, H] transposed, the biases split the same way
+            stem = name[: name.index("experts.") + len("experts.")]
+            if name.endswith("gate_up_proj"):
+                t = t.transpose(1, 2)
+                out += [(stem + "gate_proj.weight", t[:, 0::2]), (stem + "up_proj.weight", t[:, 1::2])]
+            elif name.endswith("gate_up_proj_bias"):
+                out += [(stem + "gate_proj.bias", t[:, 0::2]), (stem + "up_proj.bias", t[:, 1::2])]
+            elif name.endswith("down_proj"):
+                out.append((stem + "down_proj.weight", t.transpose(1, 2)))
+            else:
+                out.append((stem + "down_proj.bias", t))
+        elif name.endswith("self_attn.sinks"):
+            out.append((name + ".weight", t))  # GptOssModel.filter_tensors
+        elif name.endswith("mlp.experts.gate_up_proj"):
             inter = t.shape[1] // 2
             stem = name.removesuffix("gate_up_proj")
             out += [(stem + "gate_proj.weight", t[:, :inter]), (stem + "up_proj.weight", t[:, inter:])]
@@ -222,14 +255,14 @@ def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, tor
     return out
 
 
-def _ggml_type(gguf_name: str, t: torch.Tensor, moe_index: dict[int, int]) -> Any:
+def _ggml_type(gguf_name: str, t: torch.Tensor, moe_index: dict[int, int], expert_types: list) -> Any:
     parts = gguf_name.split(".")
     leaf = parts[-2] if len(parts) >= 2 else parts[0]
-    if leaf.endswith("_exps"):
-        types = EXPERT_TYPES[moe_index[int(parts[1])] % len(EXPERT_TYPES)]
-        return types[("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps").index(leaf)]
     if t.dim() == 1 or leaf.endswith("_norm") or parts[-1] == "bias":
         return Q.F32
+    if leaf.endswith("_exps"):
+        types = expert_types[moe_index[int(parts[1])] % len(expert_types)]
+        return types[("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps").index(leaf)]
     if leaf in LEAF_TYPES:
         return LEAF_TYPES[leaf]
     return Q.Q8_0 if t.shape[-1] % 32 == 0 else Q.F16
@@ -280,7 +313,8 @@ def write_gguf(
         shape = t.shape
         if module.endswith("shared_expert_gate"):
             t = t.reshape(-1)  # llama.cpp declares ffn_gate_inp_shexp as {n_embd}
-        qtype = _ggml_type(gguf_name, t, moe_index)
+        expert_types = GPT_OSS_EXPERT_TYPES if config.model_type == "gpt_oss" else EXPERT_TYPES
+        qtype = _ggml_type(gguf_name, t, moe_index, expert_types)
         data = quantize(t.numpy(), qtype)
         back = torch.from_numpy(np.ascontiguousarray(dequantize(data, qtype))).float().reshape(shape)
         if gguf_name not in drop_tensors:
@@ -303,7 +337,21 @@ def _transformers_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
     config = model.config
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if name.endswith(".mlp.experts.gate_proj.weight"):
+        if config.model_type == "gpt_oss" and ".mlp.experts." in name:
+            stem = name[: name.index("experts.") + len("experts.")]
+            if name.endswith("gate_proj.weight") or name.endswith("gate_proj.bias"):
+                kind = name.rsplit(".", 1)[1]
+                up = state[stem + "up_proj." + kind]
+                fused = torch.stack([t, up], dim=2).flatten(1, 2)  # gate and up rows interleaved again
+                key = "gate_up_proj" if kind == "weight" else "gate_up_proj_bias"
+                out[stem + key] = fused.transpose(1, 2).contiguous() if kind == "weight" else fused
+            elif name.endswith("down_proj.weight"):
+                out[stem + "down_proj"] = t.transpose(1, 2).contiguous()
+            elif name.endswith("down_proj.bias"):
+                out[stem + "down_proj_bias"] = t
+        elif name.endswith("self_attn.sinks.weight"):
+            out[name.removesuffix(".weight")] = t
+        elif name.endswith(".mlp.experts.gate_proj.weight"):
             stem = name.removesuffix("gate_proj.weight")
             out[stem + "gate_up_proj"] = torch.cat([t, state[stem + "up_proj.weight"]], dim=1)
         elif name.endswith(".mlp.experts.down_proj.weight"):
@@ -411,6 +459,59 @@ def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_
     theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
     got16 = rel(logits(ours16, ids), want32)
     assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+
+
+def test_gpt_oss_gguf_logits_match_transformers(tmp_path: Path) -> None:
+    """gpt-oss as llama.cpp's converter writes it: MXFP4 experts (one layer's up projection Q8_0) with
+    their biases, the router's bias, biased attention with a sink per head, sliding-window (16) and full
+    layers. A 24-token prompt runs past the window. The MXFP4 experts run in the engine as stored (the
+    mxfp4 kernels, their nibbles reordered: exact), against transformers' forward of the weights in
+    the file (YaRN as ggml computes it: transformers' truncated correction range)."""
+    # gpt-oss's YaRN with ggml's correction range: floored and ceiled (truncate, transformers' default;
+    # the released config.json says truncate false, which llama.cpp does not read)
+    rope = tiny_config("gpt_oss").rope_parameters | {"truncate": True}
+    model = random_model("gpt_oss", rope_parameters=rope)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # transformers starts biases at zero and sinks near it: give them weight
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias") and ".experts." not in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    path = tmp_path / "model.gguf"
+    state = write_gguf(model, path)
+    ids = tokens(shape=(2, 24))
+    want32 = logits(reference(model, state, torch.float32), ids)
+
+    ours = load_model(path, device="cpu", dtype=torch.float32)
+    assert ours.config.model_type == "gpt_oss"
+    assert ours.config.layer_types == model.config.layer_types and ours.config.sliding_window == 16
+    methods = {m for layer in ours.hetmoe.layers.values() for m in (layer.cpu.gate.method, layer.cpu.up.method)}
+    assert methods == {"gguf:mxfp4", "gguf:q8_0"}, methods
+    # MXFP4 runs as the engine's own mxfp4, no int8 detour
+    notes = {n.split(": ", 1)[1] for layer in ours.hetmoe.layers.values() for n in layer.cpu.notes}
+    assert notes == {"MXFP4 -> mxfp4 (exact)"}, notes
+    # int16-level activations in the engine's expert and dense kernels (5e-5, as for the other families)
+    assert rel(logits(ours, ids), want32) <= 5e-5
+    exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch", dense_method="torch")
+    assert rel(logits(exact, ids), want32) <= 1e-6  # the file's values, transformers' own math
+
+    ours16 = load_model(path, device="cpu")
+    theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
+    got16 = rel(logits(ours16, ids), want32)
+    assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+
+
+def test_gpt_oss_sliding_pattern_from_metadata(tmp_path: Path) -> None:
+    """llama.cpp's ``attention.sliding_window_pattern``: per-layer flags, or every n-th layer full."""
+    model = random_model("gpt_oss")
+    path = tmp_path / "flags.gguf"
+    write_gguf(model, path, extra_keys={"attention.sliding_window_pattern": 0})
+    assert load_model(path, device="cpu").config.layer_types == ["sliding_attention"] * 2
+    path = tmp_path / "bad.gguf"
+    write_gguf(model, path, extra_keys={"rope.freq_base_swa": 1234.0})
+    with pytest.raises(CheckpointError, match="freq_base_swa"):
+        load_model(path, device="cpu")
 
 
 def test_glm4moe_prediction_block_is_left_unread(tmp_path: Path) -> None:

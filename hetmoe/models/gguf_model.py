@@ -23,6 +23,11 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
   top-k weights (``norm_w = true`` in ``minimax-m2.cpp``). GLM-4-MoE files count their
   multi-token-prediction block(s) in ``block_count`` (``nextn_predict_layers``); llama.cpp's graph
   and transformers skip them, and so does this reader.
+- gpt-oss (llama.cpp's openai-moe graph): MXFP4 experts with biases, a router with a bias, attention
+  biases and a sink logit per head (``attn_sinks``), sliding-window layers by
+  ``attention.sliding_window_pattern`` (default: every other layer, the first sliding); the clamped
+  SwiGLU's alpha and limit are fixed in llama.cpp's graph (1.702, 7), and its YaRN floors and ceils
+  the correction range (transformers' ``truncate``), whatever the original config.json said.
 - ``output.weight`` absent means the embedding is tied to the output.
 - What the file does not say but llama.cpp's graph fixes: qwen3moe always renormalises the top-k
   routing weights (``norm_w = true`` in ``qwen3moe.cpp``), qwen2moe never does (``false``); the
@@ -58,7 +63,7 @@ from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_code
 
 # Where transformers keeps the decoder layers of every architecture read here.
 MODULE_PREFIX = "model.layers"
-ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2")
+ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss")
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
@@ -89,6 +94,14 @@ _GLM_NORMS = {
 _GLM_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # MiniMax-M2 keeps the selection bias on the MoE block itself.
 _MINIMAX_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.e_score_correction_bias"}
+# gpt-oss: biases everywhere in its attention and router, a sink logit per head, GLM's norm names.
+_GPT_OSS = (
+    _GLM_NORMS
+    | {f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in ("q", "k", "v") for p in ("weight", "bias")}
+    | {"attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias"}
+    | {"attn_sinks.weight": "self_attn.sinks"}
+    | {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
+)
 _MLA = {
     "attn_q.weight": "self_attn.q_proj.weight",  # no q_lora_rank (V2-Lite)
     "attn_q_a.weight": "self_attn.q_a_proj.weight",
@@ -261,6 +274,7 @@ class GGUFModel:
             "deepseek2": self._deepseek2,
             "glm4moe": self._glm4moe,
             "minimax-m2": self._minimax_m2,
+            "gpt-oss": self._gpt_oss,
         }
         fields, self._layer_names = builders[self.arch](layout)
         self.config = _make_config(fields, file.path)
@@ -587,6 +601,61 @@ class GGUFModel:
             return _NORMS | qkv | _QK_NORM | _MINIMAX_ROUTER
 
         return fields, names
+
+    def _gpt_oss(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        """gpt-oss as llama.cpp's openai-moe graph runs it: softmax over the top-k router logits, the
+        clamped SwiGLU with alpha 1.702 and limit 7 (fixed in its graph, and transformers' defaults),
+        sliding-window layers by ``attention.sliding_window_pattern`` (default 2: even layers slide),
+        YaRN as ggml computes it (correction dims floored and ceiled: transformers' ``truncate``)."""
+        m = self.meta
+        fields = self._common(layout)
+        heads = fields["num_attention_heads"]
+        head_dim = m.count("attention.key_length", "head_dim", fields["hidden_size"] // heads)
+        fields["head_dim"] = head_dim
+        self._attention(fields, head_dim)
+        self._no_expert_scale()
+        base, swa_base = fields["rope_parameters"]["rope_theta"], m.get("rope.freq_base_swa")
+        if swa_base is not None and swa_base != base:
+            raise CheckpointError(
+                m.path,
+                f"gpt-oss.rope.freq_base_swa={swa_base} differs from rope.freq_base={base}: transformers' "
+                "gpt-oss has one rope base for all layers",
+            )
+        if len(layout.moe_layers) != layout.num_layers:
+            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
+            raise CheckpointError(m.path, f"gpt-oss: layers {dense[:8]} have no experts; every layer is MoE")
+        fields |= {
+            "model_type": "gpt_oss",
+            "num_local_experts": layout.num_experts,
+            "intermediate_size": layout.intermediate_size,
+            "sliding_window": m.count("attention.sliding_window", "sliding_window"),
+            "layer_types": self._sliding_layers(layout.num_layers),
+            "attention_bias": True,
+            "swiglu_limit": 7.0,
+        }
+        fields.pop("moe_intermediate_size")
+        fields.pop("hidden_act")
+        return fields, lambda layer: _GPT_OSS
+
+    def _sliding_layers(self, layers: int) -> list[str]:
+        """llama.cpp's ``load_swa_pattern``: a per-layer array, or every n-th layer full (the others
+        sliding), n from the metadata or 2."""
+        pattern = self.meta.get("attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) < layers or not all(isinstance(v, (bool, int)) for v in pattern[:layers]):
+                raise CheckpointError(
+                    self.meta.path,
+                    f"{self.arch}.attention.sliding_window_pattern: expected {layers} flags, found {pattern!r}",
+                )
+            sliding = [bool(v) for v in pattern[:layers]]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+            sliding = [pattern == 0 or layer % pattern < pattern - 1 for layer in range(layers)]
+        else:
+            raise CheckpointError(
+                self.meta.path,
+                f"{self.arch}.attention.sliding_window_pattern must be a count or per-layer flags, found {pattern!r}",
+            )
+        return ["sliding_attention" if s else "full_attention" for s in sliding]
 
     # --- tensors -------------------------------------------------------------------------------
 

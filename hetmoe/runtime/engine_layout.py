@@ -124,6 +124,8 @@ def engine_projection(q: QuantizedTensor, name: str) -> EngineProjection:
         note = "" if native else f"{q.params['ggml_type']} -> {tc.target}"
         if tc.snr_db != float("inf"):
             note += f", SNR {tc.snr_db:.1f} dB vs stored"
+        elif not native:
+            note += " (exact)"
         repacked = 0 if native else tc.codes.numel() * tc.codes.element_size()
         return EngineProjection(
             tc.codes, tc.scales, None, tc.group, 1, tc.method_id, tc.scale_kind, repacked_bytes=repacked, note=note

@@ -4,6 +4,8 @@ measured SNR) for the rest.
 - Q4_0, Q8_0, IQ4_NL (blocks of 32) and Q4_K, Q5_K, Q6_K, IQ4_XS (superblocks of 256) run natively
   from their stored bytes: no copy, and Q4_K_M's mixed Q4_K/Q6_K layers run as they are.
 - F16/BF16/F32 become bf16 (exact for BF16).
+- MXFP4 (gpt-oss's experts as llama.cpp's converter writes them) becomes the engine's mxfp4: the same
+  codes and exponents, its nibbles reordered (exact, no arithmetic).
 - Every other type is dequantized with hetmoe's GGUF decoders and re-quantized, one projection of
   one layer at a time: to int8 with fp16 scales per 32 when the source has 4 bits or more (its
   error against the stored values is far below the source's own quantization error), to int4 g32
@@ -52,6 +54,18 @@ def _int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8).reshape(w.shape), scale.squeeze(-1).to(torch.float16)
 
 
+def mxfp4_from_ggml(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml MXFP4 blocks ``[..., B, 17]`` (``e | qs[16]``: element j in the low nibble of ``qs[j]``, element
+    j + 16 in its high nibble; value ``kvalues_mxfp4[code] * 2^(e - 128)`` with the table doubled) ->
+    the mxfp4 codec's codes ``[..., B * 16]`` (element 2i low, 2i + 1 high: formats/mxfp4.py) and e8m0
+    exponents ``[..., B]``. The code values agree (ggml's table is E2M1's doubled against a halved
+    scale), so only the nibbles move."""
+    qs = blocks[..., 1:]
+    elements = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [..., B, 32] in element order
+    codes = elements[..., 0::2] | (elements[..., 1::2] << 4)
+    return codes.reshape(*blocks.shape[:-2], -1).contiguous(), blocks[..., 0].contiguous()
+
+
 def transcode(q: QuantizedTensor) -> Transcoded:
     """``q``: a stacked ``gguf:*`` projection ``[E, N, K]`` -> what the engine runs."""
     from .engine_layout import SCALE_BF16, SCALE_F32
@@ -64,6 +78,12 @@ def transcode(q: QuantizedTensor) -> Transcoded:
         if raw.stride(-1) != 1:
             raw = raw.contiguous()
         return Transcoded(raw, None, native, SCALE_F32, 32, f"{ggml} native", float("inf"))
+    if ggml == "MXFP4":
+        from .engine_layout import SCALE_E8M0
+
+        codes, exponents = mxfp4_from_ggml(raw.reshape(e, n, k // 32, 17))
+        if not bool((exponents == 255).any()):  # e8m0's NaN, which ggml reads as 2^127: transcoded below
+            return Transcoded(codes, exponents, engine_method_id("mxfp4"), SCALE_E8M0, 32, "mxfp4", float("inf"))
     stored = dequantize_blocks(raw, ggml).reshape(e, n, k)
     if ggml in ("F16", "BF16", "F32"):
         codes = stored.to(torch.bfloat16)
