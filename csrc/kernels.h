@@ -25,7 +25,8 @@ enum Method : int {
   kQ4_0 = 9,   // GGUF Q4_0 blocks as stored (18 bytes per 32)
   kQ8_0 = 10,  // GGUF Q8_0 blocks as stored (34 bytes per 32)
   kIQ4NL = 11, // GGUF IQ4_NL blocks as stored (18 bytes per 32)
-  kNumMethods = 12,
+  kQ5_0 = 12,  // GGUF Q5_0 blocks as stored (22 bytes per 32)
+  kNumMethods = 13,
 };
 
 enum ScaleKind : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2, kScaleE8M0 = 3 };
@@ -66,10 +67,11 @@ struct Act {
   bool wide = false;             // in the 512-bit GEMVs' layout (kActQuads, kActNaturalPairs)
 };
 
-// The 512-bit GEMVs' layouts, for rows of whole groups of 8 blocks (kernels_common.inc): kActQuads,
+// The 512-bit GEMVs' layouts, for the whole groups of 8 blocks of a row (kernels_common.inc; the blocks
+// after the last whole group stay in the 256-bit layout, act_tail_layout): kActQuads,
 // kActPairs' digits with four blocks per group instead of two; kActNaturalPairs, kActNatural's codes
 // with the evens of two blocks side by side, then their odds; kActQuadsHalves, kActQuadsK and
-// kActQuadsQ6K, the digits of four blocks ordered as GGUF's blocks hold their nibbles (Q4_0, IQ4_NL, IQ4_XS: a
+// kActQuadsQ6K, the digits of four blocks ordered as GGUF's blocks hold their nibbles (Q4_0, Q5_0, IQ4_NL, IQ4_XS: a
 // block's k 0-15 then 16-31; Q4_K, Q5_K: blocks b and b + 2, then b + 1 and b + 3; Q6_K: b and
 // b + 1, then b + 2 and b + 3; each block in k order). kActQuadsQ6K's sums are per 16 codes (Q6_K's
 // scales are), the others' per block.
@@ -87,6 +89,11 @@ inline bool act_is_gguf_digits(int mode) { return mode >= kActQuadsHalves; }  //
 inline bool act_is_wide(int mode) { return mode == kActQuads || mode == kActNaturalPairs || act_is_gguf_digits(mode); }
 inline bool act_is_digits(int mode) { return mode == kActPairs || mode == kActQuads || act_is_gguf_digits(mode); }
 inline int act_sums(int mode, int K) { return mode == kActQuadsQ6K ? K / 16 : K / kActBlock; }  // per row
+// The layout of the blocks past a row's last whole group of 8 in a 512-bit layout: the one the
+// 256-bit kernels read (the K-quants, per 256 weights, never have such blocks).
+inline int act_tail_layout(int mode) {
+  return mode == kActQuads ? kActPairs : mode == kActNaturalPairs || act_is_gguf_digits(mode) ? kActNatural : mode;
+}
 
 struct KernelTable {
   const char* name;

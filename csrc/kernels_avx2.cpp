@@ -4,8 +4,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
+#include "method_traits.h"
 
 namespace hetmoe {
 namespace {

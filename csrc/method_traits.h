@@ -22,6 +22,11 @@ struct BlockQ8_0 {
   uint16_t d;
   int8_t qs[32];
 };
+struct BlockQ5_0 {
+  uint16_t d;
+  uint8_t qh[4];   // bit j: the fifth bit of weight j
+  uint8_t qs[16];  // low nibbles as Q4_0's; w = d * (q - 16)
+};
 struct BlockIQ4NL {
   uint16_t d;
   uint8_t qs[16];   // indices into the IQ4_NL table, Q4_0's nibble order
@@ -49,7 +54,8 @@ struct BlockIQ4XS {
   uint8_t scales_l[4];
   uint8_t qs[128];
 };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ8_0) == 34 && sizeof(BlockIQ4NL) == 18, "ggml block sizes");
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ8_0) == 34 && sizeof(BlockIQ4NL) == 18 && sizeof(BlockQ5_0) == 22,
+              "ggml block sizes");
 static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml block sizes");
 static_assert(sizeof(BlockIQ4XS) == 136, "ggml block sizes");
 
@@ -83,6 +89,7 @@ constexpr MethodTraits kMethodTraits[] = {
     {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalves, true, 32, kTileCodes},
     {kQ8_0, "gguf:q8_0", 32, int(sizeof(BlockQ8_0)), 8.5, kActNatural, true, 32, kTileCodesNone},
     {kIQ4NL, "gguf:iq4_nl", 32, int(sizeof(BlockIQ4NL)), 4.5, kActQuadsHalves, true, 32, kTileCodesNone},
+    {kQ5_0, "gguf:q5_0", 32, int(sizeof(BlockQ5_0)), 5.5, kActQuadsHalves, true, 32, kTileCodesNone},
 };
 
 constexpr bool traits_rows_in_order() {

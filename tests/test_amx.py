@@ -105,7 +105,7 @@ def test_split_keeps_fp32_accuracy(isa: str, R: int, T: int, K: int) -> None:
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the hardware variant is not run here")
 @pytest.mark.parametrize(
-    "method", ["bf16", "int8", "int4", "mxfp4", "fp8", "gguf:q4_k", "gguf:q5_k", "gguf:q8_0", "gguf:q4_0"]
+    "method", ["bf16", "int8", "int4", "mxfp4", "fp8", "gguf:q4_k", "gguf:q5_k", "gguf:q8_0", "gguf:q4_0", "gguf:q5_0"]
 )
 def test_engines_on_hardware_tiles_equal_the_emulator(method: str) -> None:
     """Whole MoE layers (every expert on the tile path) and linears, hardware against emulator."""

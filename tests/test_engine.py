@@ -165,18 +165,32 @@ def test_avx2_and_avx512_agree(weights) -> None:
     [("int4", 32), ("int4", 256), ("int4-asym", 64), ("int4-asym", 256), ("gptq", 128), ("mxfp4", 32)]
     + [
         (m, 32)
-        for m in ("int8", "gguf:q4_0", "gguf:q8_0", "gguf:q4_k", "gguf:q5_k", "gguf:q6_k", "gguf:iq4_xs", "gguf:iq4_nl")
+        for m in (
+            "int8",
+            "gguf:q4_0",
+            "gguf:q5_0",
+            "gguf:q8_0",
+            "gguf:q4_k",
+            "gguf:q5_k",
+            "gguf:q6_k",
+            "gguf:iq4_xs",
+            "gguf:iq4_nl",
+        )
     ],
 )
 def test_gemv_widths_agree(method: str, group: int) -> None:
     """The AVX-512 variant's GEMVs at 256 and 512 bits wide (the nibble formats four blocks a vector,
     the natural-order ones two): the same dot products summed in another order. Gate and up (K = 512)
-    take the 512-bit loop; down (K = 384: 12 blocks, not whole groups of 8) the 256-bit one, except
-    with groups of 256 and the 256-weight GGUF blocks (K = 768)."""
+    take the 512-bit loop; down (K = 416 for groups of 32: 13 blocks, one whole group of 8) the
+    512-bit loop for its first 8 blocks and the 256-bit one for the other 5 (an odd count: the pairs
+    layout's last block unpaired), the activations quantized in each part's layout (groups of 64 and
+    128: K = 448 and 384); with groups of 256 and the 256-weight GGUF blocks K = 768 (whole groups)."""
     if "avx512" not in ISAS:
         pytest.skip("this CPU has no AVX-512")
     g = torch.Generator().manual_seed(3)
-    inter = 768 if group == 256 or method in ("gguf:q4_k", "gguf:q5_k", "gguf:q6_k", "gguf:iq4_xs") else 384
+    inter = {32: 416, 64: 448, 128: 384}.get(group, 768)  # a tail of 5, 6 and 4 blocks (whole groups of 64, 128)
+    if method in ("gguf:q4_k", "gguf:q5_k", "gguf:q6_k", "gguf:iq4_xs"):
+        inter = 768
     w = [torch.randn(4, inter, 512, generator=g) * 0.05 for _ in range(2)]
     w.append(torch.randn(4, 512, inter, generator=g) * 0.05)
     codec = get_codec(method, **({} if method.startswith("gguf:") else _codec_params(method, group, "bytes")))
@@ -215,13 +229,13 @@ def test_default_gemv_switch_follows_the_vector_width() -> None:
     g = torch.Generator().manual_seed(0)
     int4 = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, k, generator=g)) for k in (512, 512)]
     int8 = [get_codec("int8").quantize(torch.randn(2, 64, 512, generator=g))]
-    q5_0 = [get_codec("gguf:q5_0").quantize(torch.randn(2, 64, 512, generator=g))]  # transcoded: its own default
-    ragged = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, 320, generator=g))]
+    q5_1 = [get_codec("gguf:q5_1").quantize(torch.randn(2, 64, 512, generator=g))]  # transcoded: its own default
+    short = [get_codec("int4", group_size=32).quantize(torch.randn(2, 64, 224, generator=g))]  # no group of 256
     select_isa("avx512")
     try:
         set_int_vector_bits(512)
         assert default_gemv_max(int4) == default_gemv_max(int8) == GEMV_ALL_TOKENS
-        assert default_gemv_max(q5_0) == default_gemv_max(ragged) == GEMV_MAX_INTEGER
+        assert default_gemv_max(q5_1) == default_gemv_max(short) == GEMV_MAX_INTEGER
         q6_k = [get_codec("gguf:q6_k").quantize(torch.randn(2, 64, 512, generator=g))]
         assert default_gemv_max(q6_k) == GEMV_ALL_TOKENS
         assert CPULinear(torch.randn(64, 512), method="int4").gemv_max_tokens == GEMV_ALL_TOKENS
@@ -414,7 +428,7 @@ def test_gptq_repack_is_reported(weights) -> None:
 
 
 @pytest.mark.parametrize(
-    "ggml", ["q8_0", "q4_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16", "q5_0", "iq2_xxs", "q3_k"]
+    "ggml", ["q8_0", "q4_0", "q5_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16", "q5_1", "iq2_xxs", "q3_k"]
 )
 def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Q8_0/Q4_0 repack exactly; the other block types are transcoded with the SNR printed; either way
@@ -433,7 +447,7 @@ def test_gguf_experts_run_from_their_blocks(ggml: str, capsys: pytest.CaptureFix
         qs = [_crafted_blocks(ggml, tuple(w.shape), g) for w in ws]
     ce = CPUExperts(*qs)
     message = capsys.readouterr().err
-    native = ggml in ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl")  # from the stored blocks
+    native = ggml in ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl")  # from the stored blocks
     exact = native or ggml == "bf16"
     assert ("SNR" in message) == (not exact)
     assert (ggml.upper() in message) == (not native)
@@ -469,13 +483,15 @@ def _crafted_blocks(ggml: str, shape: tuple[int, ...], g: torch.Generator) -> Qu
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_gguf_q4_k_m_layer_mixes_types(isa: str) -> None:
-    """Q4_K_M: gate/up in Q4_K and down in Q6_K, in one layer, both from their stored blocks."""
+@pytest.mark.parametrize("down_type", ["gguf:q6_k", "gguf:q5_0"])
+def test_gguf_q4_k_m_layer_mixes_types(isa: str, down_type: str) -> None:
+    """Q4_K_M: gate/up in Q4_K and down in Q6_K, or in Q5_0 where the expert width is no multiple of
+    256 (GLM-4.5-Air's 1408: llama-quantize's fallback), in one layer, all from their stored blocks."""
     select_isa(isa)
     g = torch.Generator().manual_seed(8)
     e, h, i = 4, 512, 256
     gate, up = (get_codec("gguf:q4_k").quantize(torch.randn(e, i, h, generator=g) * 0.05) for _ in range(2))
-    down = get_codec("gguf:q6_k").quantize(torch.randn(e, h, i, generator=g) * 0.05)
+    down = get_codec(down_type).quantize(torch.randn(e, h, i, generator=g) * 0.05)
     deq = [get_codec(q.method).dequantize(q) for q in (gate, up, down)]
     for gemv_max in (0, 1000):
         ce = CPUExperts(gate, up, down, gemv_max_tokens=gemv_max)

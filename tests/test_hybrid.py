@@ -165,7 +165,7 @@ def test_quantized_experts_within_snr_bound(model_type: str, method: str, tiny) 
     assert rel(got, want) <= 3 * eps, (rel(got, want), eps)
 
 
-@pytest.mark.parametrize("method", ["gguf:q8_0", "gguf:q4_0", "gguf:iq4_nl"])
+@pytest.mark.parametrize("method", ["gguf:q8_0", "gguf:q4_0", "gguf:q5_0", "gguf:iq4_nl"])
 def test_gguf_block_types_as_load_methods(method: str, tiny) -> None:
     """load_model quantizes experts to a GGUF block type layer by layer (the engine's native kernels)."""
     path = tiny("qwen3_moe")

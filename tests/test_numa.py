@@ -34,6 +34,7 @@ METHODS = [
     ("fp8", {}),
     ("fp8-channel", {}),
     ("gguf:q4_0", {}),
+    ("gguf:q5_0", {}),
     ("gguf:q8_0", {}),
     ("gguf:iq4_nl", {}),
     ("gguf:q4_k", {}),

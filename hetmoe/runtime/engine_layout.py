@@ -42,7 +42,8 @@ GEMV_ALL_TOKENS = 1 << 30  # a gemv_max_tokens no forward reaches
 
 
 def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
-    """Whether every projection runs a 512-bit GEMV (AMD by default, K a multiple of 256) that beats
+    """Whether every projection runs a 512-bit GEMV (AMD by default, K at least one group of 256: the
+    blocks past the last whole group go through the 256-bit loop, kernels_common.inc) that beats
     dequantizing panels for the fp32 GEMM at (nearly) every token count: measured on a
     Zen 5 (2 threads), linears at 512 tokens 2048 -> 5120: int4 38 -> 31 ms, int8 44 -> 32 ms, Q4_0
     43 -> 38 ms; a Qwen3-30B-A3B layer's experts at 512 tokens: int4 128 -> 121 ms, int8 153 -> 136
@@ -52,7 +53,7 @@ def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
     mod = engine_module()
     if mod.selected_isa() == "avx2" or mod.int_vector_bits() != 512:
         return False
-    return all(q.method in WIDE_GEMV_METHODS and q.shape[-1] % 256 == 0 for q in projections)
+    return all(q.method in WIDE_GEMV_METHODS and q.shape[-1] >= 256 for q in projections)
 
 
 @dataclass

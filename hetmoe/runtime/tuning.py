@@ -66,6 +66,7 @@ FAMILIES: dict[str, str] = {
     # int4's, so their switch differs: Q4_0 at 512 tokens took 235-274 ms with int4's default switch
     # (32) and 127-154 ms at 12 (AMX Xeon, 2 threads). The K-quants share one measurement.
     "gguf:q4_0": "q4_0",
+    "gguf:q5_0": "q4_0",
     "gguf:q4_k": "q4_k",
     "gguf:q5_k": "q4_k",
     "gguf:q6_k": "q4_k",
