@@ -578,7 +578,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
       .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,
                        float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router, int qk_norm,
-                       int64_t rotary_dim, uintptr_t sinks) {
+                       int64_t rotary_dim, uintptr_t sinks, LinearEngine* k_proj, LinearEngine* v_proj) {
              // A decoder layer's attention half for one token (decode_step.h); norms: four (weight
              // pointer, eps, mode) for the input, q, k and post-attention norms (q and k: (0, 0, 0)
              // under qk_norm 0); sinks: fp32 [heads] or 0. Weights in `dtype` and the sinks stay owned
@@ -587,8 +587,15 @@ PYBIND11_MODULE(_C, m) {
              if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("DecodeAttentionBlock: dtype must be 0 or 1");
              if (hidden <= 0 || D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || norms.size() != 4)
                throw py::value_error("DecodeAttentionBlock: bad shape");
-             if (!qkv || qkv->cols() != hidden || qkv->rows() != (heads + 2 * kv_heads) * D)
+             if (!k_proj != !v_proj) throw py::value_error("DecodeAttentionBlock: k_proj and v_proj go together");
+             if (k_proj) {
+               if (!qkv || qkv->cols() != hidden || qkv->rows() != heads * D || k_proj->cols() != hidden ||
+                   k_proj->rows() != kv_heads * D || v_proj->cols() != hidden || v_proj->rows() != kv_heads * D)
+                 throw py::value_error("DecodeAttentionBlock: q, k_proj, v_proj must map hidden to heads * D, "
+                                       "kv_heads * D, kv_heads * D");
+             } else if (!qkv || qkv->cols() != hidden || qkv->rows() != (heads + 2 * kv_heads) * D) {
                throw py::value_error("DecodeAttentionBlock: qkv must map hidden to (heads + 2 kv_heads) * D");
+             }
              if (!o_proj || o_proj->cols() != heads * D || o_proj->rows() != hidden)
                throw py::value_error("DecodeAttentionBlock: o_proj must map heads * D to hidden");
              if (router && router->cols() != hidden) throw py::value_error("DecodeAttentionBlock: router input");
@@ -619,13 +626,16 @@ PYBIND11_MODULE(_C, m) {
                                              reinterpret_cast<const float*>(sinks),
                                              scale,
                                              qkv,
+                                             k_proj,
+                                             v_proj,
                                              o_proj,
                                              router};
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
-           py::arg("qk_norm"), py::arg("rotary_dim"), py::arg("sinks"), py::keep_alive<1, 9>(),
-           py::keep_alive<1, 10>(), py::keep_alive<1, 11>())
+           py::arg("qk_norm"), py::arg("rotary_dim"), py::arg("sinks"), py::arg("k_proj").none(true) = nullptr,
+           py::arg("v_proj").none(true) = nullptr, py::keep_alive<1, 9>(), py::keep_alive<1, 10>(),
+           py::keep_alive<1, 11>(), py::keep_alive<1, 15>(), py::keep_alive<1, 16>())
       .def(
           "run",
           [](const DecodeAttentionBlock& b, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t kbuf, uintptr_t vbuf,

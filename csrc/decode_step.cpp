@@ -139,7 +139,17 @@ void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, 
   attn.resize(size_t(heads) * D * elem);
   o.resize(size_t(hidden) * elem);
   rms_norm(x, input_norm.weight, h.data(), dtype, 1, hidden, input_norm.eps, input_norm.mode);
-  linear(qkv, h.data(), dtype, qkv_row.data(), dtype);
+  if (k_proj) {  // three linears side by side on the pool, into the rows one fused linear would give
+    uint8_t* out = qkv_row.data();
+    const int64_t q = qkv->submit(h.data(), dtype, 1, out, dtype);
+    const int64_t k = k_proj->submit(h.data(), dtype, 1, out + size_t(heads) * D * elem, dtype);
+    const int64_t v = v_proj->submit(h.data(), dtype, 1, out + size_t(heads + kv_heads) * D * elem, dtype);
+    qkv->wait(q);
+    k_proj->wait(k);
+    v_proj->wait(v);
+  } else {
+    linear(qkv, h.data(), dtype, qkv_row.data(), dtype);
+  }
   decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, qk_norm, q_norm, k_norm, rotary_dim, cos,
                         sin, kv, sinks, scale, attn.data());
   linear(o_proj, attn.data(), dtype, o.data(), dtype);

@@ -71,7 +71,9 @@ struct DecodeAttentionBlock {
   int64_t rotary_dim;  // even, <= D: the leading values of each head that rotate
   const float* sinks;  // fp32 [heads] (gpt-oss), owned by Python, or nullptr
   float scale;
-  LinearEngine* qkv;     // [hidden] -> [(H + 2 KV) * D]
+  LinearEngine* qkv;     // [hidden] -> [(H + 2 KV) * D], or q alone [H * D] where k_proj and v_proj are set
+  LinearEngine* k_proj;  // [hidden] -> [KV * D] where q/k/v are separate linears (their methods differ:
+  LinearEngine* v_proj;  // a Q4_K_M file's attn_v in Q6_K beside Q4_K), else nullptr
   LinearEngine* o_proj;  // [H * D] -> [hidden]
   LinearEngine* router;  // [hidden] fp32 -> [experts] fp32, or nullptr
 

@@ -122,6 +122,11 @@ def test_decode_block_refuses_bad_norms_and_rotary() -> None:
     with pytest.raises(ValueError, match="norm 3 needs a weight and a mode"):
         make(*args, (*specs[:3], (specs[3][0], 1e-6, 7)), 0.25, *engines, qk_norm=1, rotary_dim=d, sinks=0)
     make(*args, (specs[0], absent, absent, specs[3]), 0.25, *engines, qk_norm=0, rotary_dim=8, sinks=0)
+    # q/k/v as three linears: both of k_proj and v_proj, each of its own size
+    with pytest.raises(ValueError, match="k_proj and v_proj go together"):
+        make(*args, tuple(specs), 0.25, *engines, qk_norm=1, rotary_dim=d, sinks=0, k_proj=qkv._engine)
+    with pytest.raises(ValueError, match="q, k_proj, v_proj must map hidden"):  # the fused qkv is no q
+        make(*args, tuple(specs), 0.25, *engines, qk_norm=1, rotary_dim=d, sinks=0, k_proj=o._engine, v_proj=o._engine)
 
 
 @pytest.mark.parametrize("position", [-1, 8, 9, 1 << 40])

@@ -249,3 +249,42 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
         model.forward = model_forward
     for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
         assert torch.equal(a, b), (family, step, float((a - b).abs().max()))
+
+
+def test_separate_qkv_linears_take_the_one_call_step(family_models, monkeypatch) -> None:
+    """q/k/v in different methods stay three linears (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q
+    and k, which cannot be fused): the one-call step runs them side by side, and 24 steps stay
+    bit-identical to transformers' forward over the same three linears."""
+    import hetmoe.models.fast_decode as fast_decode
+    from hetmoe import load_model
+    from hetmoe.runtime.cpu_linear import CPULinear
+
+    model = load_model(family_models["qwen2_moe"], dtype=torch.float32, dense_method="int8")  # q/k/v biases
+    for layer in _fast_layers(model):
+        attn = layer.self_attn
+        group = attn._modules.pop("fused_qkv_proj")
+        w, bias, b = group.linear.dequantized(torch.float32), group.linear.bias_f32, group.bounds
+        for i, (name, method) in enumerate(zip(("q_proj", "k_proj", "v_proj"), ("int8", "bf16", "int4"), strict=True)):
+            rows = slice(b[i], b[i + 1])
+            kind = {"group_size": 32} if method == "int4" else {}
+            setattr(attn, name, CPULinear(w[rows], None if bias is None else bias[rows], method, **kind))
+    taken: list[bool] = []
+    real = fast_decode._one_token_block
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_decode, "_one_token_block", spy)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(6))
+    fast = _steps(model, ids, 24, fast=True)
+    assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
+    monkeypatch.undo()
+    model_forward = vars(model).pop("forward")
+    try:
+        slow = _steps(model, ids, 24, fast=False)
+    finally:
+        model.forward = model_forward
+    for step, (a, c) in enumerate(zip(fast, slow, strict=True)):
+        assert torch.equal(a, c), (step, float((a - c).abs().max()))

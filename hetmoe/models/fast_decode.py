@@ -11,7 +11,9 @@ hold the two bit-identical over many steps). Every other call (prefill, batches,
 attention implementation, autograd, hooks) runs transformers' own forward unchanged.
 
 It is installed only where the layer has what it reads: q/k/v fused into one engine call
-(runtime/fused_linears.py), fused norms, this project's CPU attention. Where the cache appends in
+(runtime/fused_linears.py), or three engine linears where their methods do not fuse (a Q4_K_M file's
+attn_v in Q6_K beside Q4_K q and k: the step runs them side by side), fused norms, this project's CPU
+attention. Where the cache appends in
 place (runtime/kv_cache.py), the whole attention half of a layer, and its router's logits where the
 adapter routes from them, are one engine call (``DecodeAttentionBlock``, csrc/decode_step.h): the
 q/k norms per head, over the whole projection or none (``MoEAdapter.decode_qk_norm``), the
@@ -68,10 +70,21 @@ def _eligible_layer(layer: nn.Module, qk_norm: str, sinks: bool) -> bool:
     if qk_norm == "none" and any(n is not None for n in qk):
         return False  # norms the adapter does not expect: not the layer it describes
     return (
-        isinstance(getattr(attn, "fused_qkv_proj", None), FusedLinears)
+        (isinstance(getattr(attn, "fused_qkv_proj", None), FusedLinears) or _separate_qkv(attn) is not None)
         and isinstance(getattr(attn, "o_proj", None), CPULinear)
         and all(hasattr(n, "_hetmoe_mode") for n in norms + (qk if qk_norm != "none" else []))  # fused_norms.py
     )
+
+
+def _separate_qkv(attn: nn.Module) -> tuple[CPULinear, CPULinear, CPULinear] | None:
+    """q/k/v as three engine linears where they were not fused into one (their stored methods differ:
+    a Q4_K_M file's attn_v in Q6_K beside Q4_K q and k); None otherwise. Read from ``_modules``, as
+    ``_parts_unhooked`` reads children."""
+    mods = attn._modules
+    if "fused_qkv_proj" in mods:
+        return None
+    parts = tuple(mods.get(n) for n in ("q_proj", "k_proj", "v_proj"))
+    return parts if all(isinstance(p, CPULinear) for p in parts) else None  # type: ignore[return-value]
 
 
 def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
@@ -93,7 +106,8 @@ def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
             # The step-by-step path (_one_token's second half) is Qwen3-MoE's: per-head q/k norms and
             # the fused full-head rotary of fused_rope.py.
             rotary = getattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb", None)
-            layer._hetmoe_steps = qk_norm == "head" and hasattr(rotary, "hetmoe_original")
+            fused = "fused_qkv_proj" in layer.self_attn._modules
+            layer._hetmoe_steps = fused and qk_norm == "head" and hasattr(rotary, "hetmoe_original")
             layer.forward = types.MethodType(_make_forward(type(layer).forward), layer)
             count += 1
     causal = adapter.decode_causal_lm
@@ -287,13 +301,14 @@ def _parts_unhooked(layer: nn.Module) -> bool:
     try:
         children = layer._modules
         attn = children["self_attn"]
-        group = attn._modules["fused_qkv_proj"]
+        separate = _separate_qkv(attn)
+        group = attn._modules["fused_qkv_proj"] if separate is None else None
+        qkv = list(separate) if separate is not None else [group, group._modules["linear"]]
         parts = [
             layer,
             attn,
             attn._modules["o_proj"],
-            group,
-            group._modules["linear"],
+            *qkv,
             children["input_layernorm"],
             children["post_attention_layernorm"],
             children["mlp"],
@@ -360,6 +375,8 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> t
     self_attn = children["self_attn"]
     attn = self_attn._modules
     qk = layer.__dict__["_hetmoe_qk_norm"] != "none"
+    separate = _separate_qkv(self_attn)
+    qkv = separate if separate is not None else (attn["fused_qkv_proj"]._modules["linear"], None, None)
     parts = (
         dtype,
         rotary_dim,
@@ -368,7 +385,7 @@ def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> t
         attn["k_norm"]._parameters["weight"] if qk else None,
         children["post_attention_layernorm"]._parameters["weight"],
         self_attn._parameters.get("sinks"),
-        attn["fused_qkv_proj"]._modules["linear"],
+        *qkv,
         attn["o_proj"],
         _router_engine(children["mlp"]),
     )
@@ -390,11 +407,23 @@ def _make_attention_block(
     layer: nn.Module, dtype: torch.dtype, rotary_dim: int, router: Any
 ) -> tuple[Any, Any, int, torch.Tensor | None] | None:
     attn = layer.self_attn
-    group: FusedLinears = attn.fused_qkv_proj
-    d, b = attn.head_dim, group.bounds
-    hidden = group.linear.in_features
+    separate = _separate_qkv(attn)
+    d = attn.head_dim
+    if separate is None:
+        group: FusedLinears = attn.fused_qkv_proj
+        b = group.bounds
+        linears = (group.linear._engine, None, None)
+    else:
+        sizes = [0] + [m.out_features for m in separate]
+        b = [sum(sizes[: i + 1]) for i in range(4)]
+        if len({m.in_features for m in separate}) != 1:
+            return None
+        linears = tuple(m._engine for m in separate)
+    hidden = attn.o_proj.out_features
     heads, kv = (b[1] - b[0]) // d, (b[2] - b[1]) // d
     if d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv or dtype not in _DTYPES:
+        return None
+    if (separate[0] if separate is not None else attn.fused_qkv_proj.linear).in_features != hidden:
         return None
     if rotary_dim % 2 or not 0 < rotary_dim <= d:
         return None
@@ -425,12 +454,14 @@ def _make_attention_block(
         d,
         norms,
         float(attn.scaling),
-        group.linear._engine,
+        linears[0],
         attn.o_proj._engine,
         None if router is None else router._engine,
         qk_norm=QK_NORMS[qk_norm],
         rotary_dim=rotary_dim,
         sinks=0 if sinks is None else sinks.data_ptr(),
+        k_proj=linears[1],
+        v_proj=linears[2],
     )
     return block, router, kv, sinks
 
