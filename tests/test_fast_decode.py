@@ -40,6 +40,31 @@ def _steps(model, ids: torch.Tensor, steps: int, fast: bool, cache_class=None) -
                 m.forward = saved[id(m)]
 
 
+def _spy_on_block(monkeypatch) -> list[bool]:
+    """Whether each call of fast_decode._one_token_block took the one-call step (appended per call)."""
+    import hetmoe.models.fast_decode as fast_decode
+
+    taken: list[bool] = []
+    real = fast_decode._one_token_block
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_decode, "_one_token_block", spy)
+    return taken
+
+
+def _transformers_steps(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """_steps with transformers' own causal LM and decoder layer forwards."""
+    model_forward = vars(model).pop("forward")
+    try:
+        return _steps(model, ids, steps, fast=False)
+    finally:
+        model.forward = model_forward
+
+
 @pytest.mark.parametrize("dense", ["bf16", "int8"])
 def test_bit_identical_to_transformers_forward(tiny_cache, dense: str) -> None:
     from hetmoe import load_model
@@ -203,22 +228,13 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
     24 greedy steps give logits bit-identical to transformers' own forward over the same modules: the
     stored bf16 model as loaded by default, and an fp32 load with int8 linears (an fp32 load keeps
     bf16 weights in torch unless a method is named)."""
-    import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
 
     options = {} if dtype == torch.bfloat16 else {"dtype": dtype, "dense_method": "int8"}
     model = load_model(family_models[family], **options)
     assert len(_fast_layers(model)) == model.config.num_hidden_layers == len(_decoder_layers(model))
     assert "forward" in vars(model)  # the causal LM's one-token forward too
-    taken: list[bool] = []
-    real = fast_decode._one_token_block
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast_decode, "_one_token_block", spy)
+    taken = _spy_on_block(monkeypatch)
     moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
     adapter = type(moe[0].adapter)
     from_logits: list[bool] = []
@@ -242,11 +258,7 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
     else:
         assert len(from_logits) >= 24 * len(moe) and all(from_logits[-24 * len(moe) :]), from_logits
     monkeypatch.undo()
-    model_forward = vars(model).pop("forward")
-    try:
-        slow = _steps(model, ids, 24, fast=False)
-    finally:
-        model.forward = model_forward
+    slow = _transformers_steps(model, ids, 24)
     for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
         assert torch.equal(a, b), (family, step, float((a - b).abs().max()))
 
@@ -255,7 +267,6 @@ def test_separate_qkv_linears_take_the_one_call_step(family_models, monkeypatch)
     """q/k/v in different methods stay three linears (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q
     and k, which cannot be fused): the one-call step runs them side by side, and 24 steps stay
     bit-identical to transformers' forward over the same three linears."""
-    import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
     from hetmoe.runtime.cpu_linear import CPULinear
 
@@ -268,23 +279,11 @@ def test_separate_qkv_linears_take_the_one_call_step(family_models, monkeypatch)
             rows = slice(b[i], b[i + 1])
             kind = {"group_size": 32} if method == "int4" else {}
             setattr(attn, name, CPULinear(w[rows], None if bias is None else bias[rows], method, **kind))
-    taken: list[bool] = []
-    real = fast_decode._one_token_block
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast_decode, "_one_token_block", spy)
+    taken = _spy_on_block(monkeypatch)
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(6))
     fast = _steps(model, ids, 24, fast=True)
     assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
     monkeypatch.undo()
-    model_forward = vars(model).pop("forward")
-    try:
-        slow = _steps(model, ids, 24, fast=False)
-    finally:
-        model.forward = model_forward
+    slow = _transformers_steps(model, ids, 24)
     for step, (a, c) in enumerate(zip(fast, slow, strict=True)):
         assert torch.equal(a, c), (step, float((a - c).abs().max()))
