@@ -57,6 +57,7 @@ ARCH = {
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
     "gpt_oss": "gpt-oss",
+    "mixtral": "llama",
 }
 # the gguf package's MODEL_ARCH names
 ARCH_ENUM = {"glm4moe": "GLM4_MOE", "minimax-m2": "MINIMAXM2", "gpt-oss": "GPT_OSS"}
@@ -131,6 +132,13 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
     c = config
     if arch in ("glm4moe", "minimax-m2"):
         return _partial_rotary_metadata(c, arch)
+    if arch == "llama":  # Mixtral: TextModel's keys + LlamaModel's (no expert length: the feed-forward one)
+        return _text_model_metadata(c) | {
+            "expert_count": c.num_local_experts,
+            "rope.dimension_count": c.head_dim,
+            "attention.key_length": c.head_dim,
+            "attention.value_length": c.head_dim,
+        }
     if arch == "gpt-oss":  # TextModel's keys (rope scaling included) + GptOssModel's (conversion/gpt_oss.py)
         rope = c.rope_parameters
         return _text_model_metadata(c) | {
@@ -235,6 +243,9 @@ def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, tor
                 out.append((stem + "down_proj.bias", t))
         elif name.endswith("self_attn.sinks"):
             out.append((name + ".weight", t))  # GptOssModel.filter_tensors
+        elif config.model_type == "mixtral" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            out.append((name, _llama_permute(t, heads)))
         elif name.endswith("mlp.experts.gate_up_proj"):
             inter = t.shape[1] // 2
             stem = name.removesuffix("gate_up_proj")
@@ -253,6 +264,15 @@ def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, tor
         else:
             out.append((name, t))
     return out
+
+
+def _llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf's ``LlamaModel.permute`` (q and k rows for ggml's interleaved rope)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _ggml_type(gguf_name: str, t: torch.Tensor, moe_index: dict[int, int], expert_types: list) -> Any:
@@ -351,6 +371,9 @@ def _transformers_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
                 out[stem + "down_proj_bias"] = t
         elif name.endswith("self_attn.sinks.weight"):
             out[name.removesuffix(".weight")] = t
+        elif config.model_type == "mixtral" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            out[name] = _llama_unpermute(t, heads)
         elif name.endswith(".mlp.experts.gate_proj.weight"):
             stem = name.removesuffix("gate_proj.weight")
             out[stem + "gate_up_proj"] = torch.cat([t, state[stem + "up_proj.weight"]], dim=1)
@@ -500,6 +523,28 @@ def test_gpt_oss_gguf_logits_match_transformers(tmp_path: Path) -> None:
     theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
     got16 = rel(logits(ours16, ids), want32)
     assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+
+
+@pytest.mark.parametrize("qk_type", ["F16", "Q8_0"])
+def test_mixtral_gguf_logits_match_transformers(qk_type: str, monkeypatch, tmp_path: Path) -> None:
+    """Mixtral as llama.cpp files it (arch llama with experts): q and k rows permuted by the converter
+    for ggml's interleaved rope are put back in transformers' order, decoded (F16, which an fp32 load
+    keeps in torch) or as their stored blocks (Q8_0, whole rows moved: the engine runs them as stored);
+    logits against transformers' forward of the weights in the file."""
+    monkeypatch.setitem(LEAF_TYPES, "attn_q", getattr(Q, qk_type))
+    monkeypatch.setitem(LEAF_TYPES, "attn_k", getattr(Q, qk_type))
+    model = random_model("mixtral")
+    path = tmp_path / "model.gguf"
+    state = write_gguf(model, path)
+    ids = tokens()
+    want32 = logits(reference(model, state, torch.float32), ids)
+    ours = load_model(path, device="cpu", dtype=torch.float32)
+    assert ours.config.model_type == "mixtral"
+    if qk_type == "Q8_0":  # q, k and v share Q8_0: one fused engine linear over the moved rows
+        assert ours.model.layers[0].self_attn.fused_qkv_proj.linear.method == "gguf:q8_0"
+    assert rel(logits(ours, ids), want32) <= 5e-5  # the engine's int16-level activations, as for the others
+    exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch", dense_method="torch")
+    assert rel(logits(exact, ids), want32) <= 1e-6
 
 
 def test_gpt_oss_sliding_pattern_from_metadata(tmp_path: Path) -> None:

@@ -13,9 +13,10 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
   Linear weight is ``[out, in]`` as in transformers, ``token_embd`` ``[vocab, hidden]`` and the
   stacked experts ``ffn_{gate,up}_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``.
 - Only llama-architecture files permute the rows of ``attn_q``/``attn_k`` (``LlamaModel.permute``, for
-  ggml's interleaved rope); qwen2moe, qwen3moe, glm4moe and minimax-m2 keep transformers' order (neox
-  rope), and deepseek2 keeps the original DeepSeek order, which transformers reads with its
-  interleaved rope.
+  ggml's interleaved rope); for Mixtral (llama with experts) the rows are put back in transformers'
+  order, whole rows of the stored blocks moved so q/k still run as stored. qwen2moe, qwen3moe,
+  glm4moe, minimax-m2 and gpt-oss keep transformers' order (neox rope), and deepseek2 keeps the
+  original DeepSeek order, which transformers reads with its interleaved rope.
 - glm4moe (GLM-4.5/4.6, GLM-4.5-Air) and minimax-m2 rotate the leading ``rope.dimension_count``
   values of each head (transformers' ``partial_rotary_factor``), route by sigmoid scores with the
   selection bias ``exp_probs_b`` and say nothing of q/k norms or biases: those are read off the
@@ -63,7 +64,7 @@ from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_code
 
 # Where transformers keeps the decoder layers of every architecture read here.
 MODULE_PREFIX = "model.layers"
-ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss")
+ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "llama")
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
@@ -152,11 +153,13 @@ class _Meta:
 @dataclass(frozen=True)
 class _Entry:
     """One transformers tensor: read from ``parts`` (GGUF names), then ``build`` when it is not just
-    the one part (reshaped to ``shape``)."""
+    the one part (reshaped to ``shape``); ``rows``: the stored rows in transformers' order (a llama
+    file's q/k, permuted by the converter), applied to the stored blocks as to the decoded values."""
 
     parts: tuple[str, ...]
     shape: tuple[int, ...]
     build: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    rows: torch.Tensor | None = None
 
 
 class GGUFTensors:
@@ -190,6 +193,8 @@ class GGUFTensors:
         entry = self._entry(name)
         parts = [self._decode(p) for p in entry.parts]
         value = entry.build(parts) if entry.build is not None else parts[0]
+        if entry.rows is not None:
+            value = value.reshape(entry.shape).index_select(0, entry.rows)
         return value.reshape(entry.shape)
 
     def stored(self, name: str) -> QuantizedTensor | None:
@@ -205,9 +210,13 @@ class GGUFTensors:
         if str(info.dtype) in _FLOATS or tuple(info.shape) != tuple(entry.shape):
             return None
         try:
-            return self._blocks(entry.parts[0])[1]
+            blocks = self._blocks(entry.parts[0])[1]
         except UnknownMethodError:
             return None
+        if entry.rows is None:
+            return blocks
+        raw = blocks.tensors[".weight"].reshape(entry.shape[0], -1).index_select(0, entry.rows)  # whole rows of blocks
+        return dataclasses.replace(blocks, tensors={".weight": raw})
 
     def _blocks(self, key: str) -> tuple[Any, QuantizedTensor]:
         """``(codec, the tensor's blocks)`` of a GGUF tensor in a block type; UnknownMethodError for a
@@ -262,6 +271,7 @@ class GGUFModel:
         self.meta = _Meta(file, self.arch)
         self.tensors = {k: source.info(k) for k in source.keys()}
         self._kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
+        self._permuted_rows: dict[str, torch.Tensor] = {}  # llama: q/k leaf -> rows in transformers' order
         if self.arch == "glm4moe":
             # its multi-token-prediction block(s) follow the decoder layers (block_count counts them,
             # nextn_predict_layers says how many; llama.cpp's graph and transformers skip them): left
@@ -275,6 +285,7 @@ class GGUFModel:
             "glm4moe": self._glm4moe,
             "minimax-m2": self._minimax_m2,
             "gpt-oss": self._gpt_oss,
+            "llama": self._llama,
         }
         fields, self._layer_names = builders[self.arch](layout)
         self.config = _make_config(fields, file.path)
@@ -637,6 +648,32 @@ class GGUFModel:
         fields.pop("hidden_act")
         return fields, lambda layer: _GPT_OSS
 
+    def _llama(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        """Mixtral, which llama.cpp files as llama with experts: softmax top-k renormalised (its graph's
+        norm_w), every layer MoE, q and k rows permuted by the converter for ggml's interleaved rope
+        (``LlamaModel.permute``), put back in transformers' order here (``_entries``)."""
+        fields = self._common(layout)
+        heads = fields["num_attention_heads"]
+        head_dim = self.meta.count("attention.key_length", "head_dim", fields["hidden_size"] // heads)
+        fields["head_dim"] = head_dim
+        self._attention(fields, head_dim)
+        self._no_expert_scale()
+        if len(layout.moe_layers) != layout.num_layers:
+            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
+            raise CheckpointError(self.meta.path, f"llama: layers {dense[:8]} have no experts; Mixtral's are all MoE")
+        fields |= {"model_type": "mixtral", "num_local_experts": layout.num_experts}
+        fields["intermediate_size"] = fields.pop("moe_intermediate_size")
+        self._permuted_rows = {
+            "attn_q.weight": _unpermute_rows(heads, head_dim),
+            "attn_k.weight": _unpermute_rows(fields["num_key_value_heads"], head_dim),
+        }
+
+        def names(layer: int) -> dict[str, str]:
+            qkv = {k: v for k, v in _QKV.items() if not k.endswith(".bias")}
+            return _NORMS | qkv | _ROUTER
+
+        return fields, names
+
     def _sliding_layers(self, layers: int) -> list[str]:
         """llama.cpp's ``load_swa_pattern``: a per-layer array, or every n-th layer full (the others
         sliding), n from the metadata or 2."""
@@ -684,7 +721,8 @@ class GGUFModel:
                 raise CheckpointError(
                     self.meta.path, f"missing tensor {key} (transformers {hf}), which a {self.arch} model needs"
                 )
-            entries[hf] = _Entry((key,), self._hf_shape(key))
+            rows = self._permuted_rows.get(key.split(".", 2)[-1])
+            entries[hf] = _Entry((key,), self._hf_shape(key), rows=rows)
             consumed.add(key)
         extra = [k for k in self.tensors if k not in consumed and not _is_expert(k)]
         if extra:
@@ -734,6 +772,19 @@ class GGUFModel:
             return torch.cat([k.float().transpose(1, 2), v.float()], dim=1).reshape(heads * (nope + value), rank)
 
         return _Entry((k_b, v_b), (heads * (nope + value), rank), join)
+
+
+def _unpermute_rows(heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of convert_hf_to_gguf's ``LlamaModel.permute`` on the rows of q or k: stored row
+    ``h * D + 2 i + j`` is transformers' row ``h * D + j * D / 2 + i``; returns, per transformers row,
+    the stored row holding it."""
+    half = head_dim // 2
+    h, i, j = torch.meshgrid(torch.arange(heads), torch.arange(half), torch.arange(2), indexing="ij")
+    stored = (h * head_dim + 2 * i + j).flatten()
+    original = (h * head_dim + j * half + i).flatten()
+    rows = torch.empty(heads * head_dim, dtype=torch.long)
+    rows[original] = stored
+    return rows
 
 
 def _layer_of(key: str) -> int:
