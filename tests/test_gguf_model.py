@@ -657,6 +657,22 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         load_model(path)
 
 
+def test_dense_llama_file_is_named_a_dense_model(tmp_path: Path) -> None:
+    """llama.cpp files Mixtral as llama with experts; a llama file without them is a dense model."""
+    path = tmp_path / "dense.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 1, "embedding_length": 64, "attention.head_count": 4}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    for name, shape in {"token_embd.weight": (128, 64), "blk.0.ffn_up.weight": (128, 64)}.items():
+        writer.add_tensor(name, np.zeros(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"dense\.gguf: general\.architecture 'llama' without routed-expert"):
+        load_model(path)
+
+
 def test_tensor_without_a_place_in_the_model_is_an_error(tmp_path: Path) -> None:
     model = random_model("qwen3_moe")
     path = tmp_path / "m.gguf"

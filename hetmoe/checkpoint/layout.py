@@ -193,6 +193,12 @@ def moe_layout(config: Mapping[str, Any], source: TensorSource) -> MoELayout:
                 f"'<prefix>.<layer>.mlp.experts.*' and '.block_sparse_moe.experts.*'); supported architectures: "
                 f"{', '.join(sorted(ARCHITECTURES))}",
             )
+        if from_gguf_metadata:  # e.g. a dense llama file, which llama.cpp's Mixtral shares an architecture with
+            raise CheckpointError(
+                source.path,
+                f"general.architecture {config['gguf_architecture']!r} without routed-expert tensors "
+                "(blk.N.ffn_*_exps): a dense model; hetmoe runs MoE models",
+            )
         raise CheckpointError(source.path, f"no routed-expert tensors found for model_type {raw_type!r}")
     prefix = _choose_prefix(found)
     num_layers = _positive(config, ("num_hidden_layers",), where, "layer count")
