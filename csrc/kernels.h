@@ -30,6 +30,7 @@ enum Method : int {
 };
 
 enum ScaleKind : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2, kScaleE8M0 = 3 };
+constexpr int scale_kind_bytes(int kind) { return kind == kScaleF32 ? 4 : kind == kScaleE8M0 ? 1 : 2; }
 
 constexpr int kActBlock = 32;   // activation quantization block (int16 codes + fp32 scale)
 constexpr int kGemvTokens = 4;  // the GEMV kernels take at most this many tokens per call

@@ -392,7 +392,7 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
     const int g0 = k0 / p.group, spans_per_group = span / p.group;  // 0 where a group covers the chunk
     const bool last_chunk = k0 + kc >= p.k;
     prefetch_next_chunk(w_row, k0 / 2, kc / 2, p.w_rstride, last_chunk);
-    const int scale_bytes = Kind == kScaleE8M0 ? 1 : 2, groups = kc >= p.group ? kc / p.group : 1;
+    const int scale_bytes = scale_kind_bytes(Kind), groups = kc >= p.group ? kc / p.group : 1;
     if (p.s_row_div == 1) prefetch_next_chunk(s, g0 * scale_bytes, groups * scale_bytes, p.s_rstride, last_chunk);
     if (z) prefetch_next_chunk(z, g0, groups, p.z_rstride, last_chunk);
     for (int u = 0; u < kc / span; ++u) scale[u][r] = nibble_scale<Kind>(s, g0 + u * spans_per_group);

@@ -79,12 +79,15 @@ def attention_forward(
     return out.reshape(b, 1, h, d).to(query.dtype), None
 
 
+def _sinks_fit(s_aux: Any, heads: int) -> bool:
+    """gpt-oss's sinks as the kernels take them: a logit per query head. Sinks of another shape make
+    the call not plain (``_plain_attention``)."""
+    return isinstance(s_aux, torch.Tensor) and s_aux.shape == (heads,)
+
+
 def _sinks(s_aux: Any, heads: int) -> torch.Tensor | None:
-    """gpt-oss's attention sinks as the kernels take them (fp32 ``[heads]``, contiguous); None when the
-    call has none. Sinks of another shape make the call not plain (``_plain_attention``)."""
-    if not isinstance(s_aux, torch.Tensor) or s_aux.shape != (heads,):
-        return None
-    return s_aux.detach().float().contiguous()
+    """The sinks as the kernels read them (fp32 ``[heads]``, contiguous); None when the call has none."""
+    return s_aux.detach().float().contiguous() if _sinks_fit(s_aux, heads) else None
 
 
 def _fallback(
@@ -290,7 +293,7 @@ def _plain_attention(
     s_aux = kwargs.get("s_aux")
     # sinks of another shape, or ones that want a gradient: the model's own attention
     wants_grad = isinstance(s_aux, torch.Tensor) and s_aux.requires_grad and torch.is_grad_enabled()
-    if s_aux is not None and (_sinks(s_aux, query.shape[1]) is None or wants_grad):
+    if s_aux is not None and (not _sinks_fit(s_aux, query.shape[1]) or wants_grad):
         return False
     return key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
 

@@ -27,6 +27,7 @@ as separate engine calls; other families take transformers' forward.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
 import types
@@ -302,8 +303,11 @@ def _parts_unhooked(layer: nn.Module) -> bool:
         children = layer._modules
         attn = children["self_attn"]
         separate = _separate_qkv(attn)
-        group = attn._modules["fused_qkv_proj"] if separate is None else None
-        qkv = list(separate) if separate is not None else [group, group._modules["linear"]]
+        if separate is None:
+            group = attn._modules["fused_qkv_proj"]
+            qkv = [group, group._modules["linear"]]
+        else:
+            qkv = list(separate)
         parts = [
             layer,
             attn,
@@ -414,16 +418,14 @@ def _make_attention_block(
         b = group.bounds
         linears = (group.linear._engine, None, None)
     else:
-        sizes = [0] + [m.out_features for m in separate]
-        b = [sum(sizes[: i + 1]) for i in range(4)]
-        if len({m.in_features for m in separate}) != 1:
-            return None
+        b = [0, *itertools.accumulate(m.out_features for m in separate)]
         linears = tuple(m._engine for m in separate)
     hidden = attn.o_proj.out_features
     heads, kv = (b[1] - b[0]) // d, (b[2] - b[1]) // d
     if d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv or dtype not in _DTYPES:
         return None
-    if (separate[0] if separate is not None else attn.fused_qkv_proj.linear).in_features != hidden:
+    inputs = [m.in_features for m in separate] if separate is not None else [attn.fused_qkv_proj.linear.in_features]
+    if any(i != hidden for i in inputs):
         return None
     if rotary_dim % 2 or not 0 < rotary_dim <= d:
         return None

@@ -369,15 +369,29 @@ class GGUFModel:
             )
         fields["rope_parameters"] = self._rope()
 
-    def _qwen_fields(self, layout: MoELayout, model_type: str, norm_topk_prob: bool) -> dict[str, Any]:
-        """What Qwen2-MoE and Qwen3-MoE configs share: sizes, experts, heads and head size."""
+    def _gqa_fields(self, layout: MoELayout) -> dict[str, Any]:
+        """``_common`` plus the head size (``attention.key_length``, else hidden / heads) and what
+        ``_attention`` reads: the fields of the full-rotary GQA families."""
         fields = self._common(layout)
-        fields |= {"model_type": model_type, "num_experts": layout.num_experts, "norm_topk_prob": norm_topk_prob}
         head_dim = self.meta.count(
             "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
         )
         fields["head_dim"] = head_dim
         self._attention(fields, head_dim)
+        return fields
+
+    def _all_moe(self, layout: MoELayout) -> None:
+        """The families whose every decoder layer is MoE: a layer without experts is not their model."""
+        if len(layout.moe_layers) != layout.num_layers:
+            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
+            raise CheckpointError(
+                self.meta.path, f"{self.arch}: layers {dense[:8]} have no experts; every layer is MoE"
+            )
+
+    def _qwen_fields(self, layout: MoELayout, model_type: str, norm_topk_prob: bool) -> dict[str, Any]:
+        """What Qwen2-MoE and Qwen3-MoE configs share: sizes, experts, heads and head size."""
+        fields = self._gqa_fields(layout)
+        fields |= {"model_type": model_type, "num_experts": layout.num_experts, "norm_topk_prob": norm_topk_prob}
         return fields
 
     def _qwen_layers(self, fields: dict[str, Any], layout: MoELayout) -> None:
@@ -595,9 +609,7 @@ class GGUFModel:
         self._head_dim_and_rotary(fields)
         self._sigmoid_gating()
         self._no_expert_scale()
-        if len(layout.moe_layers) != layout.num_layers:
-            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
-            raise CheckpointError(self.meta.path, f"minimax-m2: layers {dense[:8]} have no experts; every layer is MoE")
+        self._all_moe(layout)
         # transformers' MiniMax-M2 sizes its experts with intermediate_size; its router always
         # renormalises the top-k weights (llama.cpp's graph: norm_w = true)
         fields |= {
@@ -619,12 +631,9 @@ class GGUFModel:
         sliding-window layers by ``attention.sliding_window_pattern`` (default 2: even layers slide),
         YaRN as ggml computes it (correction dims floored and ceiled: transformers' ``truncate``)."""
         m = self.meta
-        fields = self._common(layout)
-        heads = fields["num_attention_heads"]
-        head_dim = m.count("attention.key_length", "head_dim", fields["hidden_size"] // heads)
-        fields["head_dim"] = head_dim
-        self._attention(fields, head_dim)
+        fields = self._gqa_fields(layout)
         self._no_expert_scale()
+        self._all_moe(layout)
         base, swa_base = fields["rope_parameters"]["rope_theta"], m.get("rope.freq_base_swa")
         if swa_base is not None and swa_base != base:
             raise CheckpointError(
@@ -632,9 +641,6 @@ class GGUFModel:
                 f"gpt-oss.rope.freq_base_swa={swa_base} differs from rope.freq_base={base}: transformers' "
                 "gpt-oss has one rope base for all layers",
             )
-        if len(layout.moe_layers) != layout.num_layers:
-            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
-            raise CheckpointError(m.path, f"gpt-oss: layers {dense[:8]} have no experts; every layer is MoE")
         fields |= {
             "model_type": "gpt_oss",
             "num_local_experts": layout.num_experts,
@@ -652,20 +658,14 @@ class GGUFModel:
         """Mixtral, which llama.cpp files as llama with experts: softmax top-k renormalised (its graph's
         norm_w), every layer MoE, q and k rows permuted by the converter for ggml's interleaved rope
         (``LlamaModel.permute``), put back in transformers' order here (``_entries``)."""
-        fields = self._common(layout)
-        heads = fields["num_attention_heads"]
-        head_dim = self.meta.count("attention.key_length", "head_dim", fields["hidden_size"] // heads)
-        fields["head_dim"] = head_dim
-        self._attention(fields, head_dim)
+        fields = self._gqa_fields(layout)
         self._no_expert_scale()
-        if len(layout.moe_layers) != layout.num_layers:
-            dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
-            raise CheckpointError(self.meta.path, f"llama: layers {dense[:8]} have no experts; Mixtral's are all MoE")
+        self._all_moe(layout)
         fields |= {"model_type": "mixtral", "num_local_experts": layout.num_experts}
         fields["intermediate_size"] = fields.pop("moe_intermediate_size")
         self._permuted_rows = {
-            "attn_q.weight": _unpermute_rows(heads, head_dim),
-            "attn_k.weight": _unpermute_rows(fields["num_key_value_heads"], head_dim),
+            "attn_q.weight": _unpermute_rows(fields["num_attention_heads"], fields["head_dim"]),
+            "attn_k.weight": _unpermute_rows(fields["num_key_value_heads"], fields["head_dim"]),
         }
 
         def names(layer: int) -> dict[str, str]:
