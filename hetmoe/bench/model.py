@@ -1,10 +1,18 @@
 """``hetmoe bench model``: a whole model on the CPU, decode and prefill tokens/s, and where the time goes.
 
-The model is a random Qwen3-MoE of Qwen3-30B-A3B's layer shape with a few layers (model_build.py),
-loaded CPU-only with ``load_model``: routed experts in one engine method (int4 g32, bf16, GGUF
-Q4_0 ...) and the dense layers (attention projections, lm_head) either in the engine too
-(``dense_method``) or as torch bf16 Linears. A variant is written ``EXPERTS/DENSE``, e.g.
-``int4/int8``, ``bf16/bf16``, ``gguf:q4_0/gguf:q4_0``, ``int4/torch``.
+The model is a random Qwen3-MoE of Qwen3-30B-A3B's layer shape with any number of layers, written
+once as ``source``: a bf16 safetensors directory (model_build.py), or straight into a 4-bit file
+that a user would download, a pure-Q4_0 GGUF or a compressed-tensors int4 g32 directory
+(model_write.py; a full-depth model never exists in bf16). It is loaded CPU-only with ``load_model``:
+routed experts in one engine method (int4 g32, bf16, GGUF Q4_0 ..., or ``stored``: as the file
+holds them) and the dense layers (attention projections, lm_head) in the engine too
+(``dense_method``), as torch bf16 Linears (``torch``) or as ``load_model`` does with no flags
+(``default``). A variant is written ``EXPERTS/DENSE``, e.g. ``int4/int8``, ``bf16/bf16``,
+``gguf:q4_0/gguf:q4_0``, ``int4/torch``, ``stored/default``.
+
+The load itself is measured too: its seconds, the process's peak resident memory during it (the
+kernel's high-water mark, reset before the load), the bytes of the model's files and the seconds of
+a plain sequential read of them just before (with ``cold``, the page cache is dropped before each).
 
 Per variant and torch thread count it measures, with medians over repeats:
 
@@ -26,13 +34,15 @@ Per variant and torch thread count it measures, with medians over repeats:
 
 Thread policy: the engine's pool has ``threads`` workers (default: every usable core); torch's
 intra-op threads are set per run (``torch_threads``), since both compete for the same cores.
-llama.cpp is measured, not quoted: with ``llama_bench`` and ``llama_gguf`` (GGUF files of the same
-model, made with llama.cpp's converter and quantizer), llama-bench runs on each file after hetmoe's
-variants in the same run (bench/llama_cpp.py); without them no llama.cpp figures are printed.
+llama.cpp is measured, not quoted: with ``llama_bench``, llama-bench runs after hetmoe's variants in
+the same run (bench/llama_cpp.py) on ``llama_gguf`` (GGUF files of the same model, made with
+llama.cpp's converter and quantizer), else on the Q4_0 GGUF source itself; without it no llama.cpp
+figures are printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -54,7 +64,8 @@ from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.hybrid import HybridMoE
 from .llama_cpp import llama_bench
-from .model_build import DEFAULT_CACHE, ModelShape, build_model
+from .model_build import DEFAULT_CACHE, ModelShape
+from .model_write import build_source
 
 DEFAULT_VARIANTS = ("int4/int8", "int4/int4", "int4/torch", "bf16/bf16", "gguf:q4_0/gguf:q4_0")
 PARTS = ("attn_linears", "attn_core", "router_glue", "cpu_experts", "lm_head", "other")
@@ -77,24 +88,32 @@ class ModelBenchConfig:
     flush_bytes: int | None = None  # read between timings of a part alone (None: twice the last-level cache)
     llama_bench: Path | None = None  # llama.cpp's llama-bench, run on llama_gguf in this run
     llama_gguf: tuple[Path, ...] = ()  # GGUF files of this model (llama.cpp's converter and quantizer)
+    source: str = "bf16"  # how the model is written: model_write.SOURCES
+    cold: bool = False  # drop the page cache before the plain read and before the load (needs root)
 
 
-def parse_variant(text: str) -> tuple[str, str | None]:
-    """``"int4/int8"`` -> (experts method, dense method; "torch" for torch Linears)."""
+def parse_variant(text: str) -> tuple[str, str]:
+    """``"int4/int8"`` -> (experts method or "stored", dense method, "torch" or "default")."""
     experts, sep, dense = text.partition("/")
     if not sep or not experts or not dense:
-        raise ValueError(f"variant {text!r}: expected EXPERTS/DENSE, e.g. int4/int8 or int4/torch")
+        raise ValueError(f"variant {text!r}: expected EXPERTS/DENSE, e.g. int4/int8, int4/torch or stored/default")
     return experts, dense  # "torch" keeps them in torch (load_model's opt-out)
 
 
-def expert_source(base: Path, method: str, cache_dir: Path, log: Callable[[str], None]) -> tuple[Path, str | None]:
+def expert_source(
+    base: Path, method: str, cache_dir: Path, log: Callable[[str], None], source: str = "bf16"
+) -> tuple[Path, str | None]:
     """Where to load ``method``'s experts from, and the method to convert to while loading.
 
-    Store methods are converted once into a cached expert store (loads are then quick); GGUF types,
-    which a store does not hold, are converted by load_model from the bf16 model on each load.
+    ``stored`` (and bf16 from the bf16 model) loads the experts as the file holds them. From the
+    bf16 model, store methods are converted once into a cached expert store (loads are then quick)
+    and GGUF types, which a store does not hold, by load_model on each load; from a 4-bit source,
+    every other method is converted by load_model on each load.
     """
-    if method == "bf16":
+    if method == "stored" or (method == "bf16" and source == "bf16"):
         return base, None
+    if source != "bf16":
+        return base, method
     if method.startswith("gguf:"):
         return base, method
     from ..checkpoint.convert import convert
@@ -330,18 +349,39 @@ def measure_variant(
     previous = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
     try:
-        t0 = time.perf_counter()
         path, method = source
-        model = load_model(path, method, "cpu", cpu_threads=cfg.threads or None, dense_method=dense)
+        files = model_files(path)
+        read_s = plain_read(files, cfg.cold)
+        if cfg.cold:
+            drop_page_cache()
+        before = memory_status()["VmRSS"]
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        dense_method = None if dense == "default" else dense
+        model = load_model(path, method, "cpu", cpu_threads=cfg.threads or None, dense_method=dense_method)
         load_s = time.perf_counter() - t0
+        rss = memory_status()
+        stored = sum(f.stat().st_size for f in files)
+        load = {
+            "s": round(load_s, 2),
+            "cold": cfg.cold,
+            "stored_gb": round(stored / 1e9, 3),
+            "plain_read_s": round(read_s, 3),
+            "vs_plain_read": round(load_s / read_s, 2),
+            "rss_before_gb": round(before / 1e9, 3),
+            "peak_rss_gb": round(rss["VmHWM"] / 1e9, 3),
+            "rss_after_gb": round(rss["VmRSS"] / 1e9, 3),
+            "peak_over_stored_gb": round((rss["VmHWM"] - stored) / 1e9, 3),
+        }
         with torch.inference_mode():
             measured = _measure(model, cfg)
         record = {
             "variant": variant,
             "experts": experts,
-            "dense": "torch bf16" if dense == "torch" else dense,
+            "dense": {"torch": "torch bf16", "default": "load_model's default"}.get(dense, dense),
             "torch_threads": torch_threads,
             "load_s": round(load_s, 2),
+            "load": load,
             "expert_bytes": model.hetmoe.cpu_expert_bytes,
             "dense_engine_bytes": sum(m.nbytes for m in model.modules() if isinstance(m, CPULinear)),
             **measured,
@@ -366,18 +406,24 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
     cpu_model = cpu_info().model
     if cfg.llama_gguf and cfg.llama_bench is None:
         raise ValueError("--llama-gguf needs --llama-bench (the llama-bench binary to run on them)")
-    base = build_model(cfg.shape, cfg.cache_dir, cfg.seed, log)
-    sources = {m: expert_source(base, m, cfg.cache_dir, log) for m in dict.fromkeys(e for e, _ in variants)}
+    if cfg.llama_bench and not cfg.llama_gguf and cfg.source != "q4_0-gguf":
+        raise ValueError(f"--llama-bench on a {cfg.source} source needs --llama-gguf (GGUF files of the model)")
+    base = build_source(cfg.shape, cfg.source, cfg.cache_dir, cfg.seed, log)
+    experts = dict.fromkeys(e for e, _ in variants)
+    sources = {m: expert_source(base, m, cfg.cache_dir, log, cfg.source) for m in experts}
     records = []
     for variant, (experts, _) in zip(cfg.variants, variants, strict=True):
         for threads in cfg.torch_threads:
             records.append(measure_variant(sources[experts], variant, threads, cfg, log))
     llama = {}
-    for gguf in cfg.llama_gguf:  # after hetmoe's variants, in the same run
+    ggufs = cfg.llama_gguf or ((base,) if cfg.llama_bench and cfg.source == "q4_0-gguf" else ())
+    for gguf in ggufs:  # after hetmoe's variants, in the same run
         log(f"llama-bench on {gguf}")
         llama[Path(gguf).name] = llama_bench(cfg.llama_bench, gguf, engine_threads, cfg.steps, tuple(cfg.prefill))
     return {
         "model": base.name,
+        "source": cfg.source,
+        "model_path": str(base),
         "shape": asdict(cfg.shape),
         "isa": isa,
         "engine_threads": engine_threads,
@@ -391,14 +437,67 @@ def run_bench(cfg: ModelBenchConfig, log: Callable[[str], None] = print) -> dict
     }
 
 
+# --- the load: files, a plain read, memory -----------------------------------------------------
+
+
+def model_files(path: Path) -> list[Path]:
+    """The files a load of ``path`` reads: the file itself, or a directory's weights and JSON."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+
+
+def plain_read(files: list[Path], cold: bool, chunk: int = 16 << 20) -> float:
+    """Seconds to read ``files`` front to back (what no loader can beat), after dropping the page
+    cache when ``cold``."""
+    if cold:
+        drop_page_cache()
+    buf = bytearray(chunk)
+    t0 = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise ValueError(f"--cold needs to drop the page cache (/proc/sys/vm/drop_caches, root): {exc}") from None
+
+
+def reset_peak_rss() -> None:
+    """Start the kernel's high-water mark of this process's resident memory (VmHWM) afresh."""
+    with contextlib.suppress(OSError):  # not Linux, or an old kernel: the peak then covers the process so far
+        Path("/proc/self/clear_refs").write_text("5\n")
+
+
+def memory_status() -> dict[str, int]:
+    """VmHWM (peak resident) and VmRSS of this process, in bytes (0 where /proc does not say)."""
+    out = {"VmHWM": 0, "VmRSS": 0}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in out:
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 # --- output -------------------------------------------------------------------------------------
 
 
 def format_record(r: dict[str, Any]) -> str:
-    d = r["decode"]
+    d, load = r["decode"], r["load"]
     pre = ", ".join(f"prefill {t}: {p['tokens_per_s']:.1f} tok/s" for t, p in r["prefill"].items())
     return (
-        f"{r['variant']} (torch threads {r['torch_threads']}): decode {d['tokens_per_s']:.1f} tok/s "
+        f"{r['variant']} (torch threads {r['torch_threads']}): load {load['s']:.1f} s "
+        f"({load['vs_plain_read']:.2f}x a plain read of {load['stored_gb']:.2f} GB, peak RSS "
+        f"{load['peak_rss_gb']:.2f} GB), decode {d['tokens_per_s']:.1f} tok/s "
         f"({d['ms_per_token']:.2f} ms, {d['vs_parts']:.2f}x the parts alone), {pre}"
     )
 
@@ -428,6 +527,16 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(row)
     if not result["llama_cpp"]:
         lines.append("(llama.cpp not run: --llama-bench BIN --llama-gguf FILE,... measures it in this run)")
+    lines += ["", "load (the plain read just before it; cold: page cache dropped before each):"]
+    lines.append(
+        f"{'variant':22s} {'load s':>7s} {'read s':>7s} {'x read':>7s} {'GB':>7s} {'peak GB':>8s} {'cold':>5s}"
+    )
+    for r in result["records"]:
+        d = r["load"]
+        lines.append(
+            f"{r['variant']:22s} {d['s']:7.2f} {d['plain_read_s']:7.2f} {d['vs_plain_read']:7.2f} "
+            f"{d['stored_gb']:7.2f} {d['peak_rss_gb']:8.2f} {'yes' if d['cold'] else 'no':>5s}"
+        )
     header = f"{'variant':22s} {'torch':>5s} " + " ".join(f"{p:>19s}" for p in (*PARTS, "total"))
     lines += ["", "decode, ms per token by part (in the model | each part alone, summed over layers):", header]
     lines += [_split_row(r, r["decode"], 2) for r in result["records"]]

@@ -63,38 +63,52 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
     from ..bench.model import DEFAULT_VARIANTS
     from ..bench.model_build import DEFAULT_CACHE
+    from ..bench.model_write import SOURCES
 
     m = bsub.add_parser(
         "model",
-        help="a whole Qwen3-30B-A3B-shaped model on the CPU: decode and prefill tokens/s, time per part",
+        help="a whole Qwen3-30B-A3B-shaped model on the CPU: load, decode and prefill tokens/s, time per part",
         description=(
             "Builds (once, into --cache-dir) a random Qwen3-MoE with Qwen3-30B-A3B's layer shape and --layers "
-            "layers, loads it CPU-only per VARIANT (EXPERTS/DENSE: the experts' engine method, and the dense "
-            "layers' engine method or 'torch' for torch bf16 Linears) and measures decode tokens/s after --context "
-            "prompt tokens and prefill tokens/s, the time split over attention linears, attention core, router, "
-            "CPU experts, lm_head and the rest, and the same parts each run alone. With --llama-bench and "
-            "--llama-gguf, llama.cpp's llama-bench runs on those GGUF files of the same model in the same run "
-            "(make them with llama.cpp's convert_hf_to_gguf.py and llama-quantize from the built directory, "
-            "../shared/peers/README.md); --json writes every number."
+            "layers, written as --source: a bf16 safetensors directory, or directly (never through bf16, so 48 "
+            "layers fit the disk) a pure-Q4_0 GGUF as llama.cpp writes it or a compressed-tensors int4 g32 "
+            "directory as Kimi-K2 ships. It loads the model CPU-only per VARIANT (EXPERTS/DENSE: the experts' "
+            "engine method or 'stored' as the file holds them, and the dense layers' engine method, 'torch' for "
+            "torch bf16 Linears or 'default' for what load_model does with no flags) and measures the load "
+            "(seconds, against a plain read of the files just before it, and peak RSS), decode tokens/s after "
+            "--context prompt tokens and prefill tokens/s, the time split over attention linears, attention "
+            "core, router, CPU experts, lm_head and the rest, and the same parts each run alone. With "
+            "--llama-bench, llama.cpp's llama-bench runs in the same run on the Q4_0 GGUF source itself or on "
+            "the --llama-gguf files (for a bf16 source, made with llama.cpp's convert_hf_to_gguf.py and "
+            "llama-quantize, ../shared/peers/README.md); --json writes every number."
         ),
         epilog=(
             "examples:\n"
             "  hetmoe bench model --threads 2 --json docs/bench-model.json\n"
             "  hetmoe bench model --variants int4/int8 --torch-threads 1,2 --repeats 1 --steps 8\n"
             "  hetmoe bench model --layers 2 --variants bf16/bf16,gguf:q4_0/gguf:q4_0\n"
-            "  hetmoe bench model --llama-bench llama.cpp/bin/llama-bench --llama-gguf m-Q4_0.gguf,m-Q4_K_M.gguf"
+            "  hetmoe bench model --llama-bench llama.cpp/bin/llama-bench --llama-gguf m-Q4_0.gguf,m-Q4_K_M.gguf\n"
+            "  hetmoe bench model --layers 48 --source q4_0-gguf --llama-bench llama.cpp/bin/llama-bench --cold\n"
+            "  hetmoe bench model --layers 48 --source int4-ct --repeats 1"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m.add_argument(
+        "--source",
+        default="bf16",
+        choices=SOURCES,
+        help="how the model is written (default bf16; q4_0-gguf and int4-ct are written directly)",
+    )
+    m.add_argument(
         "--variants",
         type=_csv(str),
-        default=DEFAULT_VARIANTS,
-        help=f"comma-separated EXPERTS/DENSE (default {','.join(DEFAULT_VARIANTS)})",
+        help=f"comma-separated EXPERTS/DENSE (default {','.join(DEFAULT_VARIANTS)} for a bf16 source, "
+        "stored/default for the others)",
     )
     m.add_argument("--threads", type=int, default=0, help="engine threads (default: all usable CPUs)")
     m.add_argument("--torch-threads", type=_csv(int), default=(1,), help="torch intra-op threads to try (default 1)")
-    m.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    m.add_argument("--layers", type=int, default=4, help="decoder layers (default 4; Qwen3-30B-A3B has 48)")
+    m.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192; Qwen3-30B-A3B has 151936)")
     m.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default 128)")
     m.add_argument("--steps", type=int, default=32, help="decode steps per repeat (default 32)")
     m.add_argument("--prefill", type=_csv(int), default=(128, 512), help="prefill token counts (default 128,512)")
@@ -106,6 +120,9 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
     m.add_argument("--llama-bench", type=Path, metavar="BIN", help="llama.cpp's llama-bench, run in this run")
     m.add_argument(
         "--llama-gguf", type=_csv(Path), default=(), metavar="FILES", help="GGUF files of this model for llama-bench"
+    )
+    m.add_argument(
+        "--cold", action="store_true", help="drop the page cache before the plain read and before each load (root)"
     )
     m.add_argument("--json", metavar="FILE", help="write the records as JSON")
     m.set_defaults(run=run_model)
@@ -120,9 +137,12 @@ def run_model(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.threads < 0 or any(t < 1 for t in args.prefill):
         raise ValueError("--threads must be >= 0 and every --prefill count >= 1")
+    variants = args.variants or (bench_model.DEFAULT_VARIANTS if args.source == "bf16" else ("stored/default",))
     cfg = bench_model.ModelBenchConfig(
-        shape=ModelShape(layers=args.layers),
-        variants=args.variants,
+        shape=ModelShape(layers=args.layers, vocab=args.vocab),
+        source=args.source,
+        cold=args.cold,
+        variants=variants,
         threads=args.threads,
         torch_threads=args.torch_threads,
         context=args.context,
