@@ -97,3 +97,19 @@ def test_a_vocabulary_count_past_the_file_is_refused_at_once(tmp_path: Path) -> 
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"all\.gguf: corrupt header: metadata 't\.vocab': an array of"):
         GGUFFile(path)
+
+
+def test_prefetch_advises_each_tensors_own_bytes(tmp_path: Path, monkeypatch) -> None:
+    """prefetch(name) asks the kernel (POSIX_FADV_WILLNEED) for exactly the byte range the gguf
+    package reads the tensor from; an unknown name asks for nothing."""
+    import os
+
+    path = write_every_value_type(tmp_path / "all.gguf", 64)
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, n, advice: calls.append((start, n, advice)))
+    f = GGUFFile(path)
+    _, tensors = reference(path)
+    for t in tensors:
+        f.prefetch(t.name)
+    f.prefetch("no such tensor")
+    assert calls == [(int(t.data_offset), int(t.n_bytes), os.POSIX_FADV_WILLNEED) for t in tensors]

@@ -45,6 +45,7 @@ from hetmoe.models.default import default_model_path
 from hetmoe.models.gguf_model import load_gguf_tokenizer
 from hetmoe.models.planner import kv_bytes_per_token, plan_memory
 from hetmoe.runtime.cpu_linear import CPULinear
+from hetmoe.runtime.stored_embedding import StoredEmbedding
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -802,3 +803,41 @@ def test_deepseek2_without_gating_func_is_softmax_as_llama_cpp(tmp_path: Path) -
     want = probs.gather(1, ids)
     want = want / want.sum(-1, keepdim=True) * 2.5
     assert torch.allclose(weights, want, rtol=1e-6, atol=0)
+
+
+# --- the token embedding stays in its blocks -------------------------------------------------------
+
+
+def test_embedding_stays_in_its_blocks_and_decodes_the_rows_looked_up(tmp_path: Path) -> None:
+    """A GGUF's token embedding is not decoded into a float table: the model looks rows up in the
+    stored blocks (the file's mapped bytes), each row bit-identical to gguf.quants.dequantize's."""
+    path = tmp_path / "model.gguf"
+    state = write_gguf(random_model("qwen3_moe"), path)  # token_embd in Q8_0 (_ggml_type)
+    want = state["model.embed_tokens.weight"]
+    ids = tokens()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(path, dtype=dtype)
+        table = model.get_input_embeddings()
+        assert isinstance(table, StoredEmbedding) and table.method == "gguf:q8_0"
+        assert not any(p.shape == want.shape for p in model.parameters())  # no decoded copy anywhere
+        assert torch.equal(table(ids), want[ids].to(dtype))
+    with pytest.raises(IndexError, match=f"token id {want.shape[0]} is outside the embedding's {want.shape[0]} rows"):
+        table(torch.tensor([[3, want.shape[0]]]))
+    # tied to the lm_head, the table is a weight the lm_head reads whole: it stays an nn.Embedding
+    tied = tmp_path / "tied.gguf"
+    write_gguf(random_model("qwen3_moe", tie_word_embeddings=True), tied)
+    assert type(load_model(tied).get_input_embeddings()) is torch.nn.Embedding
+
+
+def test_gguf_load_reads_every_expert_tensor_ahead_once(tmp_path: Path, monkeypatch) -> None:
+    """load_model reads each MoE layer's expert tensors into the page cache one layer ahead
+    (GGUFFile.prefetch), every one of them once."""
+    from hetmoe.checkpoint import gguf_file
+
+    fetched: list[str] = []
+    monkeypatch.setattr(gguf_file.GGUFFile, "prefetch", lambda self, name: fetched.append(name))
+    path = tmp_path / "model.gguf"
+    write_gguf(random_model("qwen3_moe"), path)
+    load_model(path)
+    experts = [t.name for t in gguf.GGUFReader(path).tensors if "_exps." in t.name]
+    assert experts and sorted(fetched) == sorted(experts)

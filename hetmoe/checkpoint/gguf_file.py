@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .safetensors_file import TensorInfo
+from .safetensors_file import TensorInfo, read_ahead
 
 GGUF_MAGIC = b"GGUF"
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
@@ -200,6 +200,13 @@ class GGUFFile:
         t = self._tensor(name)
         raw = self._bytes[t.offset : t.offset + t.n_bytes].reshape(*t.shape[:-1], -1)
         return torch.from_numpy(raw)
+
+    def prefetch(self, name: str) -> None:
+        """Start reading the tensor's bytes into the page cache (``read_ahead``; call it from a thread
+        to overlap the disk with work on the tensors before it)."""
+        t = self._tensors.get(name)
+        if t is not None:
+            read_ahead(self.path, t.offset, t.n_bytes)
 
     def _tensor(self, name: str) -> _Tensor:
         try:

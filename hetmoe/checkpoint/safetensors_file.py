@@ -54,6 +54,19 @@ class TensorInfo:
     file: Path
 
 
+def read_ahead(path: Path, start: int, nbytes: int) -> None:
+    """Have the kernel read ``nbytes`` of ``path`` from ``start`` into the page cache
+    (POSIX_FADV_WILLNEED). It returns once the reads are issued, without holding the GIL; a no-op
+    where the OS has no posix_fadvise."""
+    if nbytes <= 0 or not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
 class SafetensorsFile:
     """One ``.safetensors`` file: ``keys()``, ``info(name)``, ``get(name)``, ``metadata``."""
 
@@ -158,14 +171,8 @@ class SafetensorsFile:
         a while), without holding the GIL: call it from a thread to overlap the disk with work on
         the previous tensors. A no-op where the OS has no posix_fadvise."""
         entry = self._infos.get(name)
-        if entry is None or entry[0].nbytes == 0 or not hasattr(os, "posix_fadvise"):
-            return
-        info, start = entry
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, start, info.nbytes, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+        if entry is not None:
+            read_ahead(self.path, entry[1], entry[0].nbytes)
 
     def _mapped(self) -> None:
         if self._map is None:

@@ -197,6 +197,14 @@ class GGUFTensors:
             value = value.reshape(entry.shape).index_select(0, entry.rows)
         return value.reshape(entry.shape)
 
+    def prefetch(self, name: str) -> None:
+        """Start reading the stored bytes of ``name`` into the page cache (GGUFFile.prefetch)."""
+        prefetch = getattr(self._raw, "prefetch", None)
+        if prefetch is None:
+            return
+        for key in [name] if name in self._experts else self._entry(name).parts:
+            prefetch(key)
+
     def stored(self, name: str) -> QuantizedTensor | None:
         """A non-expert weight in its GGUF block type, as the file holds it (a view of the mapped
         bytes), where it is one tensor of the transformers shape in a block (not float) type; else

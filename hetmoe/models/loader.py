@@ -42,6 +42,7 @@ from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
 from ..runtime.placement import plan_placement
 from ..runtime.session import HybridRuntime, check_modes
 from ..runtime.stats import RuntimeStats, load_routing
+from ..runtime.stored_embedding import StoredEmbedding
 from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
@@ -429,6 +430,8 @@ def _load_non_experts(
     keys = set(source.keys())
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     fp32 = _fp32_patterns(model, dtype)
+    table = model.get_input_embeddings()
+    embedding: StoredEmbedding | None = None
     missing: list[str] = []
     for name, owner, local, tensor, is_param in _named_tensors(model):
         if name in tied:
@@ -442,6 +445,11 @@ def _load_non_experts(
             raise CheckpointError(
                 info.file, f"tensor {key}: expected shape {list(tensor.shape)} for {name}, found {list(info.shape)}"
             )
+        if owner is table and local == "weight" and device.type == "cpu" and not tied:
+            stored = _read_stored(source, key, keys, config)
+            if stored is not None and stored.method.startswith("gguf:"):
+                embedding = StoredEmbedding(stored, tensor.dtype, key)  # its rows decoded as looked up
+                continue
         target = torch.float32 if any(p.search(name) for p in fp32) else tensor.dtype
         if dense is not None and dense.wants(owner, local):
             stored = _read_stored(source, key, keys, config)
@@ -462,6 +470,8 @@ def _load_non_experts(
             source.path,
             f"{len(missing)} non-expert tensors the model needs are not in the checkpoint, first: {missing[:5]}",
         )
+    if embedding is not None:
+        model.set_input_embeddings(embedding)
     if tied:
         model.tie_weights()
 
