@@ -335,16 +335,25 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "quantize_weights",
       [](const std::string& kind, const std::vector<uintptr_t>& parts, int64_t n, int64_t k, int64_t row_stride,
-         int dtype, int group, bool asym, int min_zero, bool f16_scales, uintptr_t out0, uintptr_t out1, uintptr_t out2) {
-        // Rows of `parts` (each n rows of k values of dtype, rows row_stride elements apart) into the
-        // stored form of `kind` (quantize.h); outputs laid out part after part and allocated by the
-        // caller (hetmoe/kernels/quantize.py, which checks their sizes). Returns (NaN/Inf count,
-        // first row holding one or -1).
+         int dtype, int group, bool asym, int min_zero, bool f16_scales, uintptr_t out0, uintptr_t out1, uintptr_t out2,
+         const std::vector<uintptr_t>& scale_parts, int64_t scale_block_rows, int64_t scale_block_cols,
+         int64_t scale_row_stride) {
+        // Rows of `parts` (each n rows of k values of dtype, rows row_stride elements apart; fp8 codes
+        // with their fp32 block scales, quantize.h) into the stored form of `kind` (quantize.h);
+        // outputs laid out part after part and allocated by the caller (hetmoe/kernels/quantize.py,
+        // which checks their sizes). Returns (NaN/Inf count, first row holding one or -1).
         if (!cpu_features().can_avx2()) throw py::value_error("quantize_weights: needs AVX2+FMA+F16C");
-        if (parts.empty() || n <= 0 || k <= 0 || row_stride < k || dtype < kSrcF32 || dtype > kSrcF16)
+        if (parts.empty() || n <= 0 || k <= 0 || row_stride < k || dtype < kSrcF32 || dtype > kSrcF8E4M3)
           throw py::value_error("quantize_weights: bad source shape or dtype");
         for (uintptr_t p : parts)
           if (!p) throw py::value_error("quantize_weights: null source");
+        if (dtype == kSrcF8E4M3) {
+          if (scale_parts.size() != parts.size() || scale_block_rows <= 0 || scale_block_cols <= 0 ||
+              scale_row_stride < (k + scale_block_cols - 1) / scale_block_cols)
+            throw py::value_error("quantize_weights: fp8 needs one scale tensor per part and its block shape");
+          for (uintptr_t p : scale_parts)
+            if (!p) throw py::value_error("quantize_weights: null scales");
+        }
         const bool blocks32 = kind == "mxfp4" || kind == "q4_0" || kind == "q8_0";
         if (kind == "int4" && (group <= 0 || group % 8 || k % group))
           throw py::value_error("quantize_weights: int4 group must be a positive multiple of 8 dividing K");
@@ -356,6 +365,9 @@ PYBIND11_MODULE(_C, m) {
         src.parts.reserve(parts.size());
         for (uintptr_t p : parts) src.parts.push_back(reinterpret_cast<const void*>(p));
         src.n = n, src.k = k, src.row_stride = row_stride, src.dtype = dtype;
+        for (uintptr_t p : scale_parts) src.scale_parts.push_back(reinterpret_cast<const float*>(p));
+        src.scale_block_rows = scale_block_rows, src.scale_block_cols = scale_block_cols;
+        src.scale_row_stride = scale_row_stride;
         // the 512-bit row kernels where the CPU has them, unless the engine runs its AVX2 variant
         // (HETMOE_ISA=avx2: the tests then run the AVX2 quantizers too)
         src.avx512 = cpu_features().can_avx512() && !(g_selected && std::string(g_selected->name) == "avx2");
@@ -383,7 +395,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("kind"), py::arg("parts"), py::arg("n"), py::arg("k"), py::arg("row_stride"), py::arg("dtype"),
       py::arg("group") = 0, py::arg("asym") = false, py::arg("min_zero") = 0, py::arg("f16_scales") = false, py::arg("out0") = 0,
-      py::arg("out1") = 0, py::arg("out2") = 0);
+      py::arg("out1") = 0, py::arg("out2") = 0, py::arg("scale_parts") = std::vector<uintptr_t>(),
+      py::arg("scale_block_rows") = 1, py::arg("scale_block_cols") = 1, py::arg("scale_row_stride") = 0);
   m.def(
       "attn_prefill",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t heads, int64_t kv_heads,

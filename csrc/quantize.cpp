@@ -35,7 +35,7 @@ QuantResult for_rows(const QuantSource& src, std::initializer_list<Output> outpu
   const int64_t rows = int64_t(src.parts.size()) * src.n;
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
   const QuantRowKernels* kr = kernels_for(src);
-  const int64_t elem = src.dtype == kSrcF32 ? 4 : 2;
+  const int64_t elem = src.dtype == kSrcF32 ? 4 : src.dtype == kSrcF8E4M3 ? 1 : 2;
   std::atomic<int64_t> bad{0};
   std::mutex mu;
   int64_t first_bad = -1;
@@ -44,8 +44,14 @@ QuantResult for_rows(const QuantSource& src, std::initializer_list<Output> outpu
     if (int64_t(w.size()) < src.k) w.resize(size_t(src.k));
     const int64_t r1 = std::min(rows, (item + 1) * kRowsPerItem);
     for (int64_t r = item * kRowsPerItem; r < r1; ++r) {
-      const uint8_t* base = static_cast<const uint8_t*>(src.parts[size_t(r / src.n)]);
-      const int nonfinite = kr->load_row(base + (r % src.n) * src.row_stride * elem, src.dtype, src.k, w.data());
+      const size_t part = size_t(r / src.n);
+      const int64_t in_part = r % src.n;
+      const uint8_t* at = static_cast<const uint8_t*>(src.parts[part]) + in_part * src.row_stride * elem;
+      const int nonfinite =
+          src.dtype == kSrcF8E4M3
+              ? kr->load_row_fp8(at, src.scale_parts[part] + in_part / src.scale_block_rows * src.scale_row_stride,
+                                 src.scale_block_cols, src.k, w.data())
+              : kr->load_row(at, src.dtype, src.k, w.data());
       if (nonfinite) {
         bad += nonfinite;
         std::lock_guard<std::mutex> lock(mu);

@@ -14,15 +14,21 @@
 
 namespace hetmoe {
 
-enum SourceDtype : int { kSrcF32 = 0, kSrcBF16 = 1, kSrcF16 = 2 };
+enum SourceDtype : int { kSrcF32 = 0, kSrcBF16 = 1, kSrcF16 = 2, kSrcF8E4M3 = 3 };
 
 // The rows to quantize: `parts` base pointers (experts), each `n` rows of `k` values of `dtype`,
 // rows `row_stride` elements apart. Outputs are laid out part after part, row after row.
+// kSrcF8E4M3 (fp8 checkpoints: formats/fp8.py, fp8_channel.py): a value is its e4m3fn code times
+// an fp32 scale, one scale per block of scale_block_rows x scale_block_cols values (DeepSeek-V3's
+// 128 x 128; per channel: 1 x k), part p's scales at scale_parts[p], scale_row_stride scales from
+// one row of blocks to the next.
 struct QuantSource {
   std::vector<const void*> parts;
   int64_t n = 0, k = 0, row_stride = 0;
   int dtype = kSrcBF16;
   bool avx512 = false;  // run quant_row_kernels_avx512 (the caller checked the CPU has it)
+  std::vector<const float*> scale_parts;
+  int64_t scale_block_rows = 1, scale_block_cols = 1, scale_row_stride = 0;
 };
 
 // Rows holding NaN/Inf get all-zero outputs and are counted; the caller raises the error.

@@ -100,6 +100,19 @@ inline void pack32(const __m256* c, uint8_t* out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi16(lo, hi));
 }
 
+// NaN/Inf among k values: the exponent all ones, counted 8 at a time.
+int count_nonfinite(const float* dst, int64_t k) {
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+  int bad = 0;
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256i e = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dst + i)), exponent);
+    bad += __builtin_popcount(unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, exponent)))));
+  }
+  for (; i < k; ++i) bad += !finite(dst[i]);
+  return bad;
+}
+
 int load_row(const void* src, int dtype, int64_t k, float* dst) {
   int64_t j = 0;
   if (dtype == 1) {  // bf16: the high half of an fp32
@@ -117,16 +130,34 @@ int load_row(const void* src, int dtype, int64_t k, float* dst) {
   } else {
     __builtin_memcpy(dst, src, size_t(k) * 4);
   }
-  // NaN/Inf: the exponent all ones, counted 8 at a time
-  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
-  int bad = 0;
-  int64_t i = 0;
-  for (; i + 8 <= k; i += 8) {
-    const __m256i e = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dst + i)), exponent);
-    bad += __builtin_popcount(unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, exponent)))));
+  return count_nonfinite(dst, k);
+}
+
+// e4m3fn codes to fp32, exactly: the 7 magnitude bits shifted into an fp32's exponent and mantissa
+// fields (bias 127 instead of 7) and multiplied by 2^120, which also makes the subnormal codes
+// (exponent 0: m * 2^-9) exact, then the sign; 0x7F / 0xFF are NaN (e4m3fn has no infinities).
+inline __m256 e4m3_to_f32(const uint8_t* codes) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+  return _mm256_blendv_ps(_mm256_or_ps(v, sign), _mm256_set1_ps(__builtin_nanf("")), nan);
+}
+
+int load_row_fp8(const uint8_t* codes, const float* scales, int64_t block_cols, int64_t k, float* dst) {
+  int64_t j = 0;
+  if (block_cols % 8 == 0) {  // eight values share a scale
+    for (; j + 8 <= k; j += 8)
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(e4m3_to_f32(codes + j), _mm256_set1_ps(scales[j / block_cols])));
   }
-  for (; i < k; ++i) bad += !finite(dst[i]);
-  return bad;
+  for (; j < k; ++j) {
+    uint8_t eight[8] = {codes[j]};
+    float one[8];
+    _mm256_storeu_ps(one, e4m3_to_f32(eight));
+    dst[j] = one[0] * scales[j / block_cols];
+  }
+  return count_nonfinite(dst, k);
 }
 
 // ---- int4, int4-asym (formats/int_scales.py symmetric_int4, asymmetric_int4) ----
@@ -393,7 +424,7 @@ void q8_0_row(const float* w, int64_t k, uint8_t* out) {
   }
 }
 
-constexpr QuantRowKernels kKernels = {load_row, int4_row, int8_row, fp8_channel_row, mxfp4_row, q4_0_row, q8_0_row};
+constexpr QuantRowKernels kKernels = {load_row, load_row_fp8, int4_row, int8_row, fp8_channel_row, mxfp4_row, q4_0_row, q8_0_row};
 
 }  // namespace
 

@@ -9,6 +9,9 @@ struct QuantRowKernels {
   // dst[i] = float(src[i]) for one row of k values (dtype: quantize.h SourceDtype); returns how
   // many of them are NaN/Inf.
   int (*load_row)(const void* src, int dtype, int64_t k, float* dst);
+  // dst[i] = float(codes[i]) * scales[i / block_cols] for one row of k e4m3fn codes (the fp8
+  // codecs' dequantize: one fp32 product); returns how many results are NaN/Inf.
+  int (*load_row_fp8)(const uint8_t* codes, const float* scales, int64_t block_cols, int64_t k, float* dst);
   // One fp32 row each, outputs as quantize.h describes them for that row.
   void (*int4)(const float* w, int64_t k, int group, bool asym, int min_zero, bool f16_scales, uint8_t* codes,
                uint16_t* scales, uint8_t* zeros);

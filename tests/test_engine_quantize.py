@@ -107,7 +107,7 @@ def test_unsupported_sources_fall_back() -> None:
     assert engine_quantize(codec, w.t()) is None  # columns strided
     assert engine_quantize(codec, [w, w[:4]]) is None  # parts that differ
     assert engine_quantize(get_codec("gguf:q4_k"), w.repeat(1, 4)) is None  # a type it has no quantizer for
-    assert not engine_quantizes(get_codec("fp8"))
+    assert not engine_quantizes(get_codec("fp8"))  # a target it does not write (fp8 sources it reads)
 
 
 def test_shape_errors_match_the_codec() -> None:
@@ -144,6 +144,80 @@ def test_fp8_rounding_every_e4m3_neighbourhood() -> None:
     row = torch.nn.functional.pad(row, (0, -row.numel() % 8)).reshape(1, -1)
     codec = get_codec("fp8-channel")
     assert_same(codec.quantize(row), engine_quantize(codec, row))
+
+
+# --- fp8 sources: codes and scales read in place ---------------------------------------------------
+
+
+def fp8_weight(shape: tuple[int, ...], method: str, block: tuple[int, int] = (128, 128)) -> QuantizedTensor:
+    """An fp8 weight as checkpoints ship it, with every e4m3fn code in it (subnormals, +-448, both
+    zeros) and scales of both signs and several magnitudes; ``fp8``: one scale per ``block`` (partial
+    blocks at the edges), ``fp8-channel``: one per row."""
+    codes = torch.randint(0, 256, shape, generator=GEN, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0x01  # NaN codes: tested on their own
+    flat = codes.view(-1)
+    every = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    flat[: every.numel()] = every
+    n, k = shape[-2:]
+    if method == "fp8":
+        grid = (*shape[:-2], -(-n // block[0]), -(-k // block[1]))
+        scales = {".weight_scale_inv": torch.randn(grid, generator=GEN) * 3e-3}
+        params = {"block_size": list(block)}
+    else:
+        scales, params = {".weight_scale": torch.randn(*shape[:-1], 1, generator=GEN) * 3e-3}, {}
+    return QuantizedTensor(method, shape, {".weight": codes.view(torch.float8_e4m3fn), **scales}, params)
+
+
+FP8_SOURCES = [("fp8", (128, 128)), ("fp8", (16, 32)), ("fp8", (7, 40)), ("fp8-channel", None)]
+FP8_IDS = ["block128", "block16x32", "block7x40", "channel"]
+
+
+@pytest.mark.parametrize(("source", "block"), FP8_SOURCES, ids=FP8_IDS)
+@pytest.mark.parametrize(("method", "params", "unit"), CASES[::2], ids=IDS[::2])
+def test_fp8_source_equals_the_codec_on_its_dequantized_values(source, block, method, params, unit) -> None:
+    """From an fp8 weight the engine gives ``codec.quantize(fp8 codec.dequantize(q))`` bit for bit:
+    the e4m3 decode, the block scale each value takes (blocks cut by the edges included) and the
+    product are the fp8 codec's."""
+    codec = get_codec(method, **params)
+    k = 3 * max(unit, 32) if method != "gptq" or params["group_size"] != -1 else 200
+    q = fp8_weight((3, 40 if method == "gptq" else 37, k), source, block or (1, 1))
+    reference = codec.quantize(get_codec(source, **q.params).dequantize(q))
+    assert_same(reference, engine_quantize(codec, q))
+    assert_same(codec.quantize(get_codec(source, **q.params).dequantize(q)[1]), engine_quantize(codec, _expert(q, 1)))
+
+
+def _expert(q: QuantizedTensor, e: int) -> QuantizedTensor:
+    return QuantizedTensor(q.method, q.shape[1:], {k: t[e] for k, t in q.tensors.items()}, q.params)
+
+
+def test_fp8_source_nan_names_the_expert_and_odd_scales_fall_back() -> None:
+    q = fp8_weight((4, 32, 256), "fp8")
+    q.tensors[".weight"].view(torch.uint8)[2, 5, 7] = 0x7F  # e4m3fn NaN
+    with pytest.raises(FormatError, match="found 1 NaN/Inf entries, the first in expert 2"):
+        engine_quantize(get_codec("int4"), q, "layer 3 up")
+    wrong = QuantizedTensor("fp8", q.shape, {**q.tensors, ".weight_scale_inv": torch.ones(4, 1, 1)}, q.params)
+    assert engine_quantize(get_codec("int4"), wrong) is None  # the codec names the scale shape
+    assert engine_quantize(get_codec("int4"), QuantizedTensor("int8", q.shape, {}, {})) is None
+
+
+def test_fp8_checkpoint_converts_in_place(tiny_cache) -> None:
+    """DeepSeek-V3's fp8 experts converted while loading go through the engine's fp8 reader and
+    give what the torch path gives."""
+    path = tiny_cache.fp8()
+    source = open_source(path)
+    layout = moe_layout(read_config(path), source)
+    layer = layout.moe_layers[0]
+    calls: list[str] = []
+
+    def spy(codec, parts, name="weight"):  # type: ignore[no-untyped-def]
+        calls.append(type(parts).__name__)
+        return engine_quantize(codec, parts, name)
+
+    ref = read_layer_experts(source, layout, layer, "int4", group_size=32)
+    got = read_layer_experts(open_source(path), layout, layer, "int4", quantize=spy, group_size=32)
+    assert calls and set(calls) == {"QuantizedTensor"}
+    for proj in ("gate", "up", "down"):
+        assert_same(ref.projections[proj], got.projections[proj])
 
 
 def _per_expert_dir(tmp_path: Path, experts: int = 4, hidden: int = 64, inter: int = 96) -> Path:

@@ -37,9 +37,10 @@ CONVERT_CHUNK_BYTES = 256 << 20
 _GGUF_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 # A faster quantizer for some codecs, injected from above (kernels/quantize.py engine_quantize: this
-# layer sits below the engine): (codec, one [N, K] / [E, N, K] weight or a list of [N, K] experts,
-# name) -> the codec's stored tensors, bit-identical to codec.quantize, or None where it has none.
-Quantizer = Callable[[Codec, "torch.Tensor | Sequence[torch.Tensor]", str], "QuantizedTensor | None"]
+# layer sits below the engine): (codec, one [N, K] / [E, N, K] weight, a list of [N, K] experts or an
+# fp8 QuantizedTensor, name) -> the codec's stored tensors, bit-identical to codec.quantize (of the
+# fp8 weight's dequantized values), or None where it has none.
+Quantizer = Callable[[Codec, "torch.Tensor | Sequence[torch.Tensor] | QuantizedTensor", str], "QuantizedTensor | None"]
 
 
 @dataclass
@@ -549,7 +550,7 @@ def convert_experts(
     """Each projection in ``method`` (parameters not given default to the stored ones of the same method).
 
     A projection already stored that way is passed through untouched; any other is re-quantized: a
-    bf16 one straight from its tensor by ``quantize`` where it takes the target, else dequantized in
+    bf16 or fp8 one straight from its tensors by ``quantize`` where it takes the target, else dequantized in
     chunks of experts, so the float32 detour is bounded by ``CONVERT_CHUNK_BYTES``.
     """
     out: dict[str, QuantizedTensor] = {}
@@ -569,10 +570,10 @@ def convert_experts(
 def _requantize(
     q: QuantizedTensor, source: Codec, target: Codec, name: str, quantize: Quantizer | None = None
 ) -> QuantizedTensor:
-    if quantize is not None and q.method == "bf16":
-        direct = quantize(target, q.tensors[".weight"], name)
+    if quantize is not None and q.method in ("bf16", "fp8", "fp8-channel"):
+        direct = quantize(target, q.tensors[".weight"] if q.method == "bf16" else q, name)
         if direct is not None:
-            return direct
+            return direct  # read in place: no float32 copy, not even a chunk of one
     n_exp, n, k = q.shape
     chunk = max(1, CONVERT_CHUNK_BYTES // max(1, n * k * 4))
     parts: list[QuantizedTensor] = []

@@ -4,8 +4,12 @@
 the engine's thread pool (csrc/quantize.h) into exactly the tensors ``codec.quantize`` returns: the
 codecs in hetmoe/formats stay the reference and tests/test_engine_quantize.py holds the two bit
 for bit equal. ``parts`` is one weight ``[N, K]`` or ``[E, N, K]``, or a list of ``[N, K]`` weights
-(the experts of a layer, each where its file put it: nothing is stacked or widened first). The
-NaN/Inf check rides along with the pass, so a broken weight costs no extra read.
+(the experts of a layer, each where its file put it: nothing is stacked or widened first), or an
+fp8 weight (a QuantizedTensor of the ``fp8`` block-scaled or ``fp8-channel`` codec, as DeepSeek-V3
+and MiniMax-M2 ship), whose codes and scales the engine reads in place and multiplies as the fp8
+codec's ``dequantize`` does: the result is ``codec.quantize(fp8_codec.dequantize(q))`` with no
+float copy of the weight. The NaN/Inf check rides along with the pass, so a broken weight costs no
+extra read.
 
 For a codec or source the engine has no quantizer for it returns None and the caller uses the
 codec: int4 (both layouts), int4-asym, gptq (round to nearest), int8, fp8-channel, mxfp4 and GGUF
@@ -31,6 +35,7 @@ from ..formats.mxfp4 import MXFP4Codec
 from .dispatch import EngineUnavailableError, engine_module
 
 _SOURCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FP8_SOURCE = 3  # e4m3fn codes with fp32 block scales (csrc/quantize.h kSrcF8E4M3)
 _GGUF_KINDS = {"Q4_0": ("q4_0", 18), "Q8_0": ("q8_0", 34)}
 
 
@@ -50,22 +55,9 @@ def engine_quantize(
     None where the engine does not quantize this codec or source (then use ``codec.quantize``)."""
     if not engine_quantizes(codec):
         return None
-    rows = _rows(parts)
-    if rows is None:
+    src = _fp8_source(parts, name) if isinstance(parts, QuantizedTensor) else _float_source(parts, name)
+    if src is None:
         return None
-    views, shape = rows
-    n = shape[-2]
-    src = _Source(
-        {
-            "parts": [v.data_ptr() for v in views],
-            "n": n,
-            "k": shape[-1],
-            "row_stride": views[0].stride(0) if n > 1 else shape[-1],
-            "dtype": _SOURCE_DTYPES[views[0].dtype],
-        },
-        shape,
-        name,
-    )
     if isinstance(codec, _Int4Base | GPTQCodec):
         return _int4(codec, src)
     if isinstance(codec, Int8Codec | FP8ChannelCodec):
@@ -76,11 +68,62 @@ def engine_quantize(
     return _gguf(codec, src)
 
 
-class _Source:
-    """One call's source rows (the binding's keyword arguments), logical shape and name."""
+def _float_source(parts: torch.Tensor | Sequence[torch.Tensor], name: str) -> _Source | None:
+    rows = _rows(parts, _SOURCE_DTYPES)
+    if rows is None:
+        return None
+    views, shape = rows
+    return _Source(_row_args(views, shape, _SOURCE_DTYPES[views[0].dtype]), shape, name)
 
-    def __init__(self, args: dict[str, Any], shape: tuple[int, ...], name: str) -> None:
-        self.args, self.shape, self.name = args, shape, name
+
+def _fp8_source(q: QuantizedTensor, name: str) -> _Source | None:
+    """The fp8 codecs' codes and fp32 scales as the engine reads them; None for anything else."""
+    if q.method == "fp8":
+        scales = q.tensors.get(".weight_scale_inv")
+        block_rows, block_cols = (int(b) for b in q.params.get("block_size", (128, 128)))
+    elif q.method == "fp8-channel":
+        q = FP8ChannelCodec().canonical(q, name)
+        scales, block_rows, block_cols = q.tensors.get(".weight_scale"), 1, q.shape[-1]
+    else:
+        return None
+    rows = _rows(q.tensors[".weight"], {torch.float8_e4m3fn: _FP8_SOURCE})
+    if rows is None or scales is None:
+        return None
+    views, shape = rows
+    n, k = shape[-2:]
+    grid = (-(-n // block_rows), -(-k // block_cols))
+    per_part = [s.detach().float().contiguous() for s in (scales.unbind(0) if scales.dim() == 3 else [scales])]
+    if len(per_part) != len(views) or any(tuple(s.shape) != grid or s.device.type != "cpu" for s in per_part):
+        return None  # the codec's own checks name what is wrong
+    args = _row_args(views, shape, _FP8_SOURCE)
+    args |= {
+        "scale_parts": [s.data_ptr() for s in per_part],
+        "scale_block_rows": block_rows,
+        "scale_block_cols": block_cols,
+        "scale_row_stride": grid[1],
+    }
+    return _Source(args, shape, name, keep=per_part)
+
+
+def _row_args(views: list[torch.Tensor], shape: tuple[int, ...], dtype: int) -> dict[str, Any]:
+    n = shape[-2]
+    return {
+        "parts": [v.data_ptr() for v in views],
+        "n": n,
+        "k": shape[-1],
+        "row_stride": views[0].stride(0) if n > 1 else shape[-1],
+        "dtype": dtype,
+    }
+
+
+class _Source:
+    """One call's source rows (the binding's keyword arguments), logical shape and name; ``keep``
+    holds tensors made for the call (fp32 scales) alive while the engine reads them."""
+
+    def __init__(
+        self, args: dict[str, Any], shape: tuple[int, ...], name: str, keep: list[torch.Tensor] | None = None
+    ) -> None:
+        self.args, self.shape, self.name, self.keep = args, shape, name, keep
         self.parts, self.n, self.k = len(args["parts"]), shape[-2], shape[-1]
 
     def run(self, kind: str, *outputs: torch.Tensor | None, **options: Any) -> None:
@@ -150,9 +193,11 @@ def _available() -> bool:
         return False
 
 
-def _rows(parts: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[int, ...]] | None:
+def _rows(
+    parts: torch.Tensor | Sequence[torch.Tensor], dtypes: dict[torch.dtype, int]
+) -> tuple[list[torch.Tensor], tuple[int, ...]] | None:
     """The ``[N, K]`` views the engine reads and the logical shape, or None where it cannot read them
-    in place (another dtype or device, strided rows, parts that differ)."""
+    in place (a dtype not in ``dtypes``, another device, strided rows, parts that differ)."""
     if isinstance(parts, torch.Tensor):
         if parts.dim() == 2:
             views, shape = [parts], tuple(parts.shape)
@@ -167,7 +212,7 @@ def _rows(parts: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torch.Tens
         shape = (len(views), *views[0].shape)
     views = [v.detach() for v in views]
     first = views[0]
-    if first.dtype not in _SOURCE_DTYPES or first.numel() == 0:
+    if first.dtype not in dtypes or first.numel() == 0:
         return None
     for v in views:
         if v.device.type != "cpu" or v.dtype != first.dtype or v.shape != first.shape:
