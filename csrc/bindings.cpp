@@ -354,7 +354,9 @@ PYBIND11_MODULE(_C, m) {
           for (uintptr_t p : scale_parts)
             if (!p) throw py::value_error("quantize_weights: null scales");
         }
-        const bool blocks32 = kind == "mxfp4" || kind == "q4_0" || kind == "q8_0";
+        const bool blocks256 = kind == "q4_k" || kind == "q5_k" || kind == "q6_k" || kind == "iq4_xs";
+        const bool blocks32 = kind == "mxfp4" || kind == "q4_0" || kind == "q8_0" || kind == "iq4_nl";
+        if (blocks256 && k % 256) throw py::value_error("quantize_weights: K must be a multiple of 256");
         if (kind == "int4" && (group <= 0 || group % 8 || k % group))
           throw py::value_error("quantize_weights: int4 group must be a positive multiple of 8 dividing K");
         if (blocks32 && k % 32) throw py::value_error("quantize_weights: K must be a multiple of 32");
@@ -383,12 +385,8 @@ PYBIND11_MODULE(_C, m) {
             r = quantize_fp8_channel(src, reinterpret_cast<uint8_t*>(out0), reinterpret_cast<float*>(out1));
           else if (kind == "mxfp4")
             r = quantize_mxfp4(src, reinterpret_cast<uint8_t*>(out0), reinterpret_cast<uint8_t*>(out1));
-          else if (kind == "q4_0")
-            r = quantize_q4_0(src, reinterpret_cast<uint8_t*>(out0));
-          else if (kind == "q8_0")
-            r = quantize_q8_0(src, reinterpret_cast<uint8_t*>(out0));
           else
-            r.nonfinite = -1;
+            r = quantize_gguf(src, kind.c_str(), reinterpret_cast<uint8_t*>(out0));  // -1: an unknown kind
         }
         if (r.nonfinite < 0) throw py::value_error("quantize_weights: unknown kind " + kind);
         return std::make_pair(r.nonfinite, r.first_bad_row);

@@ -68,15 +68,6 @@ QuantResult for_rows(const QuantSource& src, std::initializer_list<Output> outpu
   return {bad.load(), first_bad};
 }
 
-// GGUF rows: k / 32 blocks of `block_bytes` (Q4_0: 18, Q8_0: 34), written by the row kernel `kernel`.
-QuantResult quantize_gguf_blocks(const QuantSource& src, uint8_t* out, int64_t block_bytes,
-                                 void (*QuantRowKernels::*kernel)(const float*, int64_t, uint8_t*)) {
-  const int64_t k = src.k, row_bytes = k / 32 * block_bytes;
-  const QuantRowKernels* kr = kernels_for(src);
-  return for_rows(src, {{out, row_bytes}},
-                  [&](const float* w, int64_t r) { (kr->*kernel)(w, k, out + r * row_bytes); });
-}
-
 }  // namespace
 
 QuantResult quantize_int4(const QuantSource& src, int group, bool asym, int min_zero, bool f16_scales,
@@ -112,12 +103,27 @@ QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* sca
   });
 }
 
-QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out) {
-  return quantize_gguf_blocks(src, out, 18, &QuantRowKernels::q4_0);
-}
-
-QuantResult quantize_q8_0(const QuantSource& src, uint8_t* out) {
-  return quantize_gguf_blocks(src, out, 34, &QuantRowKernels::q8_0);
+QuantResult quantize_gguf(const QuantSource& src, const char* kind, uint8_t* out) {
+  using RowKernel = void (*QuantRowKernels::*)(const float*, int64_t, uint8_t*);
+  struct GGUFKind {
+    const char* name;
+    int64_t block_elements, block_bytes;
+    RowKernel kernel;
+  };
+  static constexpr GGUFKind kKinds[] = {
+      {"q4_0", 32, 18, &QuantRowKernels::q4_0},     {"q8_0", 32, 34, &QuantRowKernels::q8_0},
+      {"q4_k", 256, 144, &QuantRowKernels::q4_k},   {"q5_k", 256, 176, &QuantRowKernels::q5_k},
+      {"q6_k", 256, 210, &QuantRowKernels::q6_k},   {"iq4_nl", 32, 18, &QuantRowKernels::iq4_nl},
+      {"iq4_xs", 256, 136, &QuantRowKernels::iq4_xs},
+  };
+  for (const GGUFKind& t : kKinds) {
+    if (std::strcmp(t.name, kind) != 0) continue;
+    const int64_t k = src.k, row_bytes = k / t.block_elements * t.block_bytes;
+    const QuantRowKernels* kr = kernels_for(src);
+    const RowKernel kernel = t.kernel;
+    return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { (kr->*kernel)(w, k, out + r * row_bytes); });
+  }
+  return {-1, -1};
 }
 
 }  // namespace hetmoe

@@ -48,9 +48,10 @@ QuantResult quantize_int8(const QuantSource& src, int8_t* codes, float* scales);
 QuantResult quantize_fp8_channel(const QuantSource& src, uint8_t* codes, float* scales);
 // mxfp4 (formats/mxfp4.py): E2M1 codes [rows, k/2] low nibble first, e8m0 exponents [rows, k/32].
 QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* scales);
-// GGUF Q4_0 / Q8_0 (formats/gguf/legacy.py encode_q4_0 / encode_q8_0): rows of 18 / 34-byte blocks.
-QuantResult quantize_q4_0(const QuantSource& src, uint8_t* out);
-QuantResult quantize_q8_0(const QuantSource& src, uint8_t* out);
+// GGUF block types (formats/gguf: legacy.py encode_q4_0 / encode_q8_0, kquantize.py, nonlinear.py
+// encode_iq4_*): rows of blocks, `kind` one of q4_0, q8_0, q4_k, q5_k, q6_k, iq4_nl, iq4_xs; k a
+// multiple of the type's block (32, or 256 for the K-quants and IQ4_XS). Unknown kind: nonfinite -1.
+QuantResult quantize_gguf(const QuantSource& src, const char* kind, uint8_t* out);
 
 
 }  // namespace hetmoe

@@ -424,7 +424,223 @@ void q8_0_row(const float* w, int64_t k, uint8_t* out) {
   }
 }
 
-constexpr QuantRowKernels kKernels = {load_row, load_row_fp8, int4_row, int8_row, fp8_channel_row, mxfp4_row, q4_0_row, q8_0_row};
+// ---- GGUF K-quants (formats/gguf/kquantize.py) and IQ4 (formats/gguf/nonlinear.py): hetmoe's own
+// round-to-nearest encoders, scalar, each operation where the torch code has it ----
+
+// int_scales.lane_sum of 32 values: lane l adds elements l, l + 8, l + 16, l + 24 in that order,
+// then lanes (l, l + 4), then (l, l + 2), then the last two.
+inline float lane_sum32(const float* v) {
+  float acc[8];
+  for (int l = 0; l < 8; ++l) acc[l] = ((v[l] + v[8 + l]) + v[16 + l]) + v[24 + l];
+  for (int l = 0; l < 4; ++l) acc[l] = acc[l] + acc[l + 4];
+  for (int l = 0; l < 2; ++l) acc[l] = acc[l] + acc[l + 2];
+  return acc[0] + acc[1];
+}
+inline float f16_round(float x) { return _cvtsh_ss(f16_bits(x)); }  // .to(float16).to(float32)
+inline void put_f16(float x, uint8_t* out) {
+  const uint16_t h = f16_bits(x);
+  out[0] = uint8_t(h), out[1] = uint8_t(h >> 8);
+}
+// The index of the first value of largest magnitude (torch's argmax of abs: the first maximum).
+inline int argmax_abs(const float* x, int n) {
+  int best = 0;
+  for (int j = 1; j < n; ++j)
+    if (__builtin_fabsf(x[j]) > __builtin_fabsf(x[best])) best = j;
+  return best;
+}
+
+// kquantize._affine_fit of one 32-weight sub-block: (scale, min) with x ~ scale * q - min.
+inline void affine_fit(const float* x, float nmax, float* out_scale, float* out_min) {
+  float lo = x[0], hi = x[0];
+  for (int j = 1; j < 32; ++j) lo = fmin_(lo, x[j]), hi = fmax_(hi, x[j]);
+  lo = fmin_(lo, 0.0f);
+  const float scale = (hi - lo) / nmax, mn = -lo;
+  const float inv = safe_inverse(scale);
+  float q[32], qx[32], e[32];
+  float sq = 0, sqq = 0;  // sums of small integers: exact in any order
+  for (int j = 0; j < 32; ++j) {
+    q[j] = clamp_(rne((x[j] + mn) * inv), 0.0f, nmax);
+    sq += q[j], sqq += q[j] * q[j], qx[j] = q[j] * x[j];
+  }
+  const float sx = lane_sum32(x), sqx = lane_sum32(qx);
+  const float det = 32.0f * sqq - sq * sq;
+  const bool ok = det > 0;
+  float a = ok ? (32.0f * sqx - sq * sx) / det : scale;
+  float c = ok ? (sx - a * sq) / 32.0f : -mn;
+  if (!(ok && c <= 0 && a >= 0)) a = scale, c = -mn;  // min >= 0 and scale >= 0, or the range fit
+  for (int j = 0; j < 32; ++j) {
+    const float d = scale * q[j] - mn - x[j];
+    e[j] = d * d;
+  }
+  const float err_old = lane_sum32(e);
+  const float inv_a = safe_inverse(a);
+  for (int j = 0; j < 32; ++j) {
+    const float q2 = clamp_(rne((x[j] - c) * inv_a), 0.0f, nmax);
+    const float d = a * q2 + c - x[j];
+    e[j] = d * d;
+  }
+  const bool better = lane_sum32(e) < err_old;
+  *out_scale = better ? a : scale, *out_min = better ? -c : mn;
+}
+
+// kquantize._six_bit: eight non-negative values -> an fp16 super-scale (as read back) and 6-bit ints.
+inline float six_bit(const float* v, int* q) {
+  float m = v[0];
+  for (int j = 1; j < 8; ++j) m = fmax_(m, v[j]);
+  const float d = f16_round(m / 63.0f), inv = safe_inverse(d);
+  for (int j = 0; j < 8; ++j) q[j] = int(clamp_(rne(v[j] * inv), 0.0f, 63.0f));
+  return d;
+}
+
+// kquantize._encode_affine_k of one 256-weight super-block: the 16 header bytes and the codes.
+inline void affine_k_block(const float* x, float nmax, uint8_t* header, uint8_t* q) {
+  float scale[8], mn[8];
+  for (int s = 0; s < 8; ++s) affine_fit(x + 32 * s, nmax, scale + s, mn + s);
+  int sc[8], mc[8];
+  const float d = six_bit(scale, sc), dmin = six_bit(mn, mc);
+  for (int s = 0; s < 8; ++s) {
+    const float eff_s = d * float(sc[s]), eff_m = dmin * float(mc[s]), inv = safe_inverse(eff_s);
+    for (int j = 0; j < 32; ++j) q[32 * s + j] = uint8_t(clamp_(rne((x[32 * s + j] + eff_m) * inv), 0.0f, nmax));
+  }
+  put_f16(d, header), put_f16(dmin, header + 2);
+  for (int i = 0; i < 4; ++i) {  // kquantize._pack_scale_min_k4
+    header[4 + i] = uint8_t((sc[i] & 0x3F) | ((sc[i + 4] >> 4) << 6));
+    header[8 + i] = uint8_t((mc[i] & 0x3F) | ((mc[i + 4] >> 4) << 6));
+    header[12 + i] = uint8_t((sc[i + 4] & 0x0F) | ((mc[i + 4] & 0x0F) << 4));
+  }
+}
+
+// Sub-blocks 2c and 2c + 1 share bytes 32c..32c + 31 (low nibble, high nibble).
+inline void pack_k_nibbles(const uint8_t* q, uint8_t* qs) {
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 32; ++j) qs[32 * c + j] = uint8_t((q[64 * c + j] & 0x0F) | ((q[64 * c + 32 + j] & 0x0F) << 4));
+}
+
+void q4_k_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 256; ++b, out += 144) {
+    uint8_t q[256];
+    affine_k_block(w + 256 * b, 15.0f, out, q);
+    pack_k_nibbles(q, out + 16);
+  }
+}
+
+void q5_k_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 256; ++b, out += 176) {
+    uint8_t q[256];
+    affine_k_block(w + 256 * b, 31.0f, out, q);
+    for (int j = 0; j < 32; ++j) {  // qh[j]: bit s = the fifth bit of sub-block s's weight j
+      int h = 0;
+      for (int s = 0; s < 8; ++s) h |= (q[32 * s + j] >> 4) << s;
+      out[16 + j] = uint8_t(h);
+    }
+    pack_k_nibbles(q, out + 48);
+  }
+}
+
+void q6_k_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 256; ++b, out += 210) {
+    const float* x = w + 256 * b;
+    float s[16];
+    for (int i = 0; i < 16; ++i) s[i] = x[16 * i + argmax_abs(x + 16 * i, 16)] / -32.0f;
+    float m = __builtin_fabsf(s[0]);
+    for (int i = 1; i < 16; ++i) m = fmax_(m, __builtin_fabsf(s[i]));
+    const float d = f16_round(m / 127.0f), inv = safe_inverse(d);
+    uint8_t q[256];
+    for (int i = 0; i < 16; ++i) {
+      const float sc = clamp_(rne(s[i] * inv), -128.0f, 127.0f), inv_eff = safe_inverse(d * sc);
+      out[192 + i] = uint8_t(int8_t(sc));
+      for (int j = 0; j < 16; ++j) q[16 * i + j] = uint8_t(int(clamp_(rne(x[16 * i + j] * inv_eff), -32.0f, 31.0f)) + 32);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* qh = q + 128 * h;
+      for (int j = 0; j < 64; ++j) out[64 * h + j] = uint8_t((qh[j] & 0x0F) | ((qh[64 + j] & 0x0F) << 4));
+      for (int j = 0; j < 32; ++j) {
+        int v = 0;
+        for (int t = 0; t < 4; ++t) v += (qh[32 * t + j] >> 4) << (2 * t);
+        out[128 + 32 * h + j] = uint8_t(v);
+      }
+    }
+    put_f16(d, out + 208);
+  }
+}
+
+// IQ4's grid (nonlinear.KVALUES_IQ4NL) and its nearest-code rule: every decision boundary is a
+// multiple of 0.5, so the code of v is the number of boundaries below ceil(2v) / 2 (ties go low),
+// with 2v clamped to +-256 as nonlinear._half_step_index does.
+constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+struct IQ4CodeTable {
+  uint8_t code[513];  // index ceil(2v) + 256
+  constexpr IQ4CodeTable() : code() {
+    for (int i = 0; i <= 512; ++i) {
+      const float r = float(i - 256) / 2.0f;
+      int c = 0;
+      for (int m = 0; m < 15; ++m) c += (kIQ4Values[m] + kIQ4Values[m + 1]) / 2.0f < r;
+      code[i] = uint8_t(c);
+    }
+  }
+};
+constexpr IQ4CodeTable kIQ4Codes;
+inline int nearest_iq4(float v) {
+  const float twice = v * 2.0f;  // NaN (a zero weight times an overflowed inverse scale): zero's code
+  return kIQ4Codes.code[int(clamp_(__builtin_ceilf(twice == twice ? twice : 0.0f), -256.0f, 256.0f)) + 256];
+}
+
+// nonlinear._iq4_group_scales of one 32-weight group: 12 candidate scales, each refit by least
+// squares on its nearest codes; the one of largest <x,k>^2 / <k,k> (the first on ties).
+constexpr float kIQ4Stretch[6] = {0.8f, 0.85f, 0.9f, 0.95f, 1.0f, 1.05f};
+inline float iq4_group_scale(const float* x) {
+  const float xm = x[argmax_abs(x, 32)];
+  const float bases[2] = {xm / -127.0f, xm / 113.0f};
+  float best_score = 0, best_scale = 0;
+  for (int c = 0; c < 12; ++c) {
+    const float inv = safe_inverse(bases[c / 6] * kIQ4Stretch[c % 6]);
+    float xk[32], skk = 0;  // skk: a sum of squared integers, exact in any order
+    for (int j = 0; j < 32; ++j) {
+      const float kv = kIQ4Values[nearest_iq4(x[j] * inv)];
+      xk[j] = x[j] * kv, skk += kv * kv;
+    }
+    const float sxk = lane_sum32(xk), score = sxk * sxk / skk;
+    if (c == 0 || score > best_score) best_score = score, best_scale = sxk / skk;
+  }
+  return best_scale;
+}
+
+// Codes of a group against its stored scale, packed as Q4_0's: byte j = code j | code j + 16 << 4.
+inline void iq4_codes(const float* x, float d, uint8_t* qs) {
+  const float inv = safe_inverse(d);
+  int q[32];
+  for (int j = 0; j < 32; ++j) q[j] = nearest_iq4(x[j] * inv);
+  for (int j = 0; j < 16; ++j) qs[j] = uint8_t(q[j] | (q[j + 16] << 4));
+}
+
+void iq4_nl_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 32; ++b, out += 18) {
+    const float d = f16_round(iq4_group_scale(w + 32 * b));
+    put_f16(d, out);
+    iq4_codes(w + 32 * b, d, out + 2);
+  }
+}
+
+void iq4_xs_row(const float* w, int64_t k, uint8_t* out) {
+  for (int64_t b = 0; b < k / 256; ++b, out += 136) {
+    const float* x = w + 256 * b;
+    float s[8];
+    for (int i = 0; i < 8; ++i) s[i] = iq4_group_scale(x + 32 * i);
+    const float d = f16_round(s[argmax_abs(s, 8)] / -32.0f), inv = safe_inverse(d);
+    int u[8], sh = 0;
+    for (int i = 0; i < 8; ++i) {
+      const float ls = clamp_(rne(s[i] * inv), -32.0f, 31.0f);
+      iq4_codes(x + 32 * i, d * ls, out + 8 + 16 * i);
+      u[i] = int(ls) + 32, sh += (u[i] >> 4) << (2 * i);
+    }
+    put_f16(d, out);
+    out[2] = uint8_t(sh & 0xFF), out[3] = uint8_t(sh >> 8);
+    for (int i = 0; i < 4; ++i) out[4 + i] = uint8_t((u[2 * i] & 0x0F) | ((u[2 * i + 1] & 0x0F) << 4));
+  }
+}
+
+constexpr QuantRowKernels kKernels = {load_row, load_row_fp8, int4_row, int8_row,  fp8_channel_row, mxfp4_row, q4_0_row,
+                                      q8_0_row, q4_k_row,     q5_k_row, q6_k_row, iq4_nl_row,      iq4_xs_row};
 
 }  // namespace
 

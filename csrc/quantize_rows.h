@@ -20,6 +20,11 @@ struct QuantRowKernels {
   void (*mxfp4)(const float* w, int64_t k, uint8_t* blocks, uint8_t* scales);
   void (*q4_0)(const float* w, int64_t k, uint8_t* out);
   void (*q8_0)(const float* w, int64_t k, uint8_t* out);
+  void (*q4_k)(const float* w, int64_t k, uint8_t* out);
+  void (*q5_k)(const float* w, int64_t k, uint8_t* out);
+  void (*q6_k)(const float* w, int64_t k, uint8_t* out);
+  void (*iq4_nl)(const float* w, int64_t k, uint8_t* out);
+  void (*iq4_xs)(const float* w, int64_t k, uint8_t* out);
 };
 
 const QuantRowKernels* quant_row_kernels();

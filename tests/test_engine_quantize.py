@@ -38,6 +38,11 @@ CASES = [
     ("mxfp4", {}, 32),
     ("gguf:q4_0", {}, 32),
     ("gguf:q8_0", {}, 32),
+    ("gguf:q4_k", {}, 256),
+    ("gguf:q5_k", {}, 256),
+    ("gguf:q6_k", {}, 256),
+    ("gguf:iq4_nl", {}, 32),
+    ("gguf:iq4_xs", {}, 256),
 ]
 IDS = [f"{m}-{'-'.join(f'{v}' for v in p.values())}" for m, p, _ in CASES]
 
@@ -106,7 +111,7 @@ def test_unsupported_sources_fall_back() -> None:
     assert engine_quantize(codec, w.double()) is None  # float64: not a source the engine reads
     assert engine_quantize(codec, w.t()) is None  # columns strided
     assert engine_quantize(codec, [w, w[:4]]) is None  # parts that differ
-    assert engine_quantize(get_codec("gguf:q4_k"), w.repeat(1, 4)) is None  # a type it has no quantizer for
+    assert engine_quantize(get_codec("gguf:q2_k"), w.repeat(1, 4)) is None  # a type it has no quantizer for
     assert not engine_quantizes(get_codec("fp8"))  # a target it does not write (fp8 sources it reads)
 
 

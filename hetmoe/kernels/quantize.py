@@ -12,8 +12,8 @@ float copy of the weight. The NaN/Inf check rides along with the pass, so a brok
 extra read.
 
 For a codec or source the engine has no quantizer for it returns None and the caller uses the
-codec: int4 (both layouts), int4-asym, gptq (round to nearest), int8, fp8-channel, mxfp4 and GGUF
-Q4_0 / Q8_0 run here; the K-quants and IQ4 types do not yet.
+codec: int4 (both layouts), int4-asym, gptq (round to nearest), int8, fp8-channel, mxfp4 and the
+GGUF types Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS run here.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .dispatch import EngineUnavailableError, engine_module
 
 _SOURCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FP8_SOURCE = 3  # e4m3fn codes with fp32 block scales (csrc/quantize.h kSrcF8E4M3)
-_GGUF_KINDS = {"Q4_0": ("q4_0", 18), "Q8_0": ("q8_0", 34)}
+_GGUF_KINDS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # csrc/quantize.cpp quantize_gguf
 
 
 def engine_quantizes(codec: Codec) -> bool:
@@ -179,9 +179,9 @@ def _mxfp4(src: _Source) -> QuantizedTensor:
 
 def _gguf(codec: GGUFCodec, src: _Source) -> QuantizedTensor:
     codec._check_k(src.shape, src.name)
-    kind, block_bytes = _GGUF_KINDS[codec.ggml_type.name]
-    raw = src.out(src.k // 32 * block_bytes)
-    src.run(kind, raw)
+    t = codec.ggml_type
+    raw = src.out(t.row_bytes(src.k))
+    src.run(t.name.lower(), raw)
     return QuantizedTensor(codec.label(), src.shape, {".weight": src.logical(raw)}, {"ggml_type": codec.ggml_type.name})
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..int_scales import lane_sum, squared_error
 from ._fields import f16_to_bytes, pack_bits_planes, pack_nibbles, safe_inverse
 
 
@@ -33,8 +34,9 @@ def _affine_fit(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]
     q = torch.round((x + mn) * safe_inverse(scale)).clamp(0, nmax)
     # Least squares for x ~ a*q + c over each sub-block (2x2 normal equations).
     n = x.shape[-1]
-    sq, sqq = q.sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True)
-    sx, sqx = x.sum(-1, keepdim=True), (q * x).sum(-1, keepdim=True)
+    sq, sqq = q.sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True)  # small integers: exact in any order
+    # Sums of floats in int_scales.lane_sum's fixed order, which the engine's encoders repeat.
+    sx, sqx = lane_sum(x).unsqueeze(-1), lane_sum(q * x).unsqueeze(-1)
     det = n * sqq - sq * sq
     ok = det > 0
     a = torch.where(ok, (n * sqx - sq * sx) / torch.where(ok, det, 1.0), scale)
@@ -42,9 +44,9 @@ def _affine_fit(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]
     # The format needs min >= 0 (c <= 0) and scale >= 0; otherwise fall back to the range fit.
     ok = ok & (c <= 0) & (a >= 0)
     a, c = torch.where(ok, a, scale), torch.where(ok, c, -mn)
-    err_old = ((scale * q - mn - x) ** 2).sum(-1, keepdim=True)
+    err_old = squared_error(scale * q - mn, x)
     q2 = torch.round((x - c) * safe_inverse(a)).clamp(0, nmax)
-    err_new = ((a * q2 + c - x) ** 2).sum(-1, keepdim=True)
+    err_new = squared_error(a * q2 + c, x)
     better = err_new < err_old
     return torch.where(better, a, scale).squeeze(-1), torch.where(better, -c, mn).squeeze(-1)
 

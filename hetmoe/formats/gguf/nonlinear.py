@@ -23,6 +23,7 @@ import itertools
 
 import torch
 
+from ..int_scales import lane_sum
 from ._fields import f16_at, f16_to_bytes, nibbles, pack_nibbles, safe_inverse
 
 # The IQ4 non-linear grid and the doubled e2m1 values (OCP MX spec); tiny format constants.
@@ -112,7 +113,10 @@ def _iq4_value_table(device: torch.device) -> torch.Tensor:
 
 
 def _half_step_index(v: torch.Tensor) -> torch.Tensor:
-    return (torch.ceil(v * 2.0).clamp_(-_HALF_STEPS, _HALF_STEPS) + _HALF_STEPS).to(torch.int32).reshape(-1)
+    # A scale so small that its inverse overflows gives inf for a weight and NaN (0 * inf) for a zero
+    # weight, whose nearest code is zero's; infinities land on the grid ends.
+    half_steps = torch.ceil(torch.nan_to_num(v * 2.0, nan=0.0)).clamp_(-_HALF_STEPS, _HALF_STEPS)
+    return (half_steps + _HALF_STEPS).to(torch.int32).reshape(-1)
 
 
 def _nearest_iq4(v: torch.Tensor) -> torch.Tensor:
@@ -142,8 +146,8 @@ def _iq4_group_scales(x: torch.Tensor) -> torch.Tensor:
     stretch = torch.tensor(_IQ4_STRETCH, dtype=x.dtype, device=x.device).view(-1, *([1] * xm.dim()))
     cands = (bases.unsqueeze(1) * stretch).flatten(0, 1)  # [C, ..., 1]
     k = _nearest_iq4_value(x.unsqueeze(0) * safe_inverse(cands))
-    sxk = (x.unsqueeze(0) * k).sum(-1, keepdim=True)
-    skk = (k * k).sum(-1, keepdim=True)
+    sxk = lane_sum(x.unsqueeze(0) * k).unsqueeze(-1)  # in a fixed order the engine's encoder repeats
+    skk = (k * k).sum(-1, keepdim=True)  # squared integers: exact in any order
     best = (sxk * sxk / skk).argmax(dim=0, keepdim=True)
     return (sxk / skk).gather(0, best).squeeze(0)
 
