@@ -46,6 +46,7 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..formats.registry import UnknownMethodError
+from .atomic import start_writeback
 from .config import read_json_object
 from .errors import CheckpointError
 from .experts import PROJECTIONS, LayerExperts
@@ -159,7 +160,10 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: di
             flat = data.contiguous().reshape(-1).view(torch.uint8)
             for start in range(0, flat.numel(), _WRITE_CHUNK):
                 piece = flat[start : start + _WRITE_CHUNK].numpy()
+                at = f.tell()
                 f.write(piece.data)
+                f.flush()
+                start_writeback(f.fileno(), at, len(piece.data))
                 digest.update(piece.data)
             del data, flat
     return WrittenFile(len(head) + offset, digest.hexdigest())
