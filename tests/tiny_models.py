@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from hetmoe.checkpoint.quant_config import compressed_tensors_int4_config as int4_ct_config
 from hetmoe.formats import get_codec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -312,34 +313,12 @@ def make_fp8(src: str | Path, dst: str | Path, block_size: tuple[int, int] = (12
 
 def compressed_tensors_int4_config(state_keys: list[str], group_size: int = 32) -> dict[str, Any]:
     """Kimi-K2-Thinking's quantization_config: int4 groups on every Linear but the listed non-experts."""
-    ignore = sorted(
+    ignore = [
         k.removesuffix(".weight")
         for k in state_keys
         if k.endswith(".weight") and ".experts." not in k and "norm" not in k and "embed" not in k
-    )
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 4,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "group",
-                    "group_size": group_size,
-                    "dynamic": False,
-                    "actorder": None,
-                    "observer": "minmax",
-                },
-                "input_activations": None,
-                "output_activations": None,
-            }
-        },
-        "ignore": ignore,
-    }
+    ]
+    return int4_ct_config(ignore, group_size)
 
 
 def make_int4_ct(src: str | Path, dst: str | Path, group_size: int = 32, model_type: str = "kimi_k2") -> Path:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.atomic import atomic_path
+from ..checkpoint.quant_config import compressed_tensors_int4_config
 from ..checkpoint.safetensors_stream import INDEX_FILE, PlannedTensor, open_shard
 from .model_build import INIT_STD, ModelShape, build_model
 
@@ -122,55 +123,48 @@ def bpe_vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
 # --- the GGUF file ----------------------------------------------------------------------------------
 
 
-def _gguf_tensors(shape: ModelShape, rnd: _Random) -> list[tuple[str, Callable[[], tuple[np.ndarray, bool]]]]:
-    """(name, make) in file order; ``make`` returns the array and whether it is Q4_0 bytes."""
+# Each tensor as (name, logical shape [*rows, cols], how it is made): "q4_0" blocks, "ones" (the
+# norms, as transformers initialises them) or "normal" F32 (the router, which llama-quantize keeps).
+_GGUFTensor = tuple[str, tuple[int, ...], str]
+
+
+def _gguf_plan(shape: ModelShape) -> list[_GGUFTensor]:
+    """Every tensor of the file in file order, under llama.cpp's qwen3moe names."""
     h, e, i, hd = shape.hidden, shape.experts, shape.intermediate, shape.head_dim
-    ones = lambda n: lambda: (np.ones(n, np.float32), False)  # noqa: E731
-    q4 = lambda rows, cols: lambda: (rnd.q4_0(rows, cols), True)  # noqa: E731
-    out = [("token_embd.weight", q4((shape.vocab,), h))]
+    out = [("token_embd.weight", (shape.vocab, h), "q4_0")]
     for layer in range(shape.layers):
         p = f"blk.{layer}."
         out += [
-            (p + "attn_norm.weight", ones(h)),
-            (p + "attn_q.weight", q4((shape.heads * hd,), h)),
-            (p + "attn_k.weight", q4((shape.kv_heads * hd,), h)),
-            (p + "attn_v.weight", q4((shape.kv_heads * hd,), h)),
-            (p + "attn_output.weight", q4((h,), shape.heads * hd)),
-            (p + "attn_q_norm.weight", ones(hd)),
-            (p + "attn_k_norm.weight", ones(hd)),
-            (p + "ffn_norm.weight", ones(h)),
-            (p + "ffn_gate_inp.weight", lambda: (rnd.normal((e, h)), False)),
-            (p + "ffn_gate_exps.weight", q4((e, i), h)),
-            (p + "ffn_up_exps.weight", q4((e, i), h)),
-            (p + "ffn_down_exps.weight", q4((e, h), i)),
+            (p + "attn_norm.weight", (h,), "ones"),
+            (p + "attn_q.weight", (shape.heads * hd, h), "q4_0"),
+            (p + "attn_k.weight", (shape.kv_heads * hd, h), "q4_0"),
+            (p + "attn_v.weight", (shape.kv_heads * hd, h), "q4_0"),
+            (p + "attn_output.weight", (h, shape.heads * hd), "q4_0"),
+            (p + "attn_q_norm.weight", (hd,), "ones"),
+            (p + "attn_k_norm.weight", (hd,), "ones"),
+            (p + "ffn_norm.weight", (h,), "ones"),
+            (p + "ffn_gate_inp.weight", (e, h), "normal"),
+            (p + "ffn_gate_exps.weight", (e, i, h), "q4_0"),
+            (p + "ffn_up_exps.weight", (e, i, h), "q4_0"),
+            (p + "ffn_down_exps.weight", (e, h, i), "q4_0"),
         ]
-    out += [("output_norm.weight", ones(h)), ("output.weight", q4((shape.vocab,), h))]
-    return out
+    return [*out, ("output_norm.weight", (h,), "ones"), ("output.weight", (shape.vocab, h), "q4_0")]
 
 
-def _gguf_shape(name: str, shape: ModelShape) -> tuple[tuple[int, ...], bool]:
-    """The numpy shape of a tensor of ``_gguf_tensors`` (Q4_0 as bytes), without making it."""
-    h, e, i, hd = shape.hidden, shape.experts, shape.intermediate, shape.head_dim
-    leaf = name.split(".")[-2]
-    row_bytes = lambda cols: cols // GROUP * 18  # noqa: E731
-    shapes = {
-        "token_embd": ((shape.vocab, row_bytes(h)), True),
-        "output": ((shape.vocab, row_bytes(h)), True),
-        "attn_q": ((shape.heads * hd, row_bytes(h)), True),
-        "attn_k": ((shape.kv_heads * hd, row_bytes(h)), True),
-        "attn_v": ((shape.kv_heads * hd, row_bytes(h)), True),
-        "attn_output": ((h, row_bytes(shape.heads * hd)), True),
-        "attn_q_norm": ((hd,), False),
-        "attn_k_norm": ((hd,), False),
-        "ffn_gate_inp": ((e, h), False),
-        "ffn_gate_exps": ((e, i, row_bytes(h)), True),
-        "ffn_up_exps": ((e, i, row_bytes(h)), True),
-        "ffn_down_exps": ((e, h, row_bytes(i)), True),
-    }
-    return shapes.get(leaf, ((h,), False))
+def _stored_shape(dims: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The numpy array written for a tensor: Q4_0 as bytes ``[*rows, cols / 32 * 18]``, else F32."""
+    if kind == "q4_0":
+        return (*dims[:-1], dims[-1] // GROUP * 18), np.dtype(np.uint8)
+    return dims, np.dtype(np.float32)
 
 
-def _check_q4_0_shape(shape: ModelShape) -> None:
+def _make(dims: tuple[int, ...], kind: str, rnd: _Random) -> np.ndarray:
+    if kind == "q4_0":
+        return rnd.q4_0(dims[:-1], dims[-1])
+    return np.ones(dims, np.float32) if kind == "ones" else rnd.normal(dims)
+
+
+def _check_widths(shape: ModelShape) -> None:
     widths = {
         "hidden": shape.hidden,
         "intermediate": shape.intermediate,
@@ -178,16 +172,16 @@ def _check_q4_0_shape(shape: ModelShape) -> None:
     }
     bad = {k: v for k, v in widths.items() if v % GROUP}
     if bad:
-        raise ValueError(f"a Q4_0 model needs every row width a multiple of {GROUP}; found {bad}")
+        raise ValueError(f"a 4-bit model of groups of {GROUP} needs every row width a multiple of it; found {bad}")
 
 
 def write_q4_0_gguf(shape: ModelShape, path: Path, seed: int = 0) -> Path:
     """The model as one pure-Q4_0 GGUF at ``path`` (written atomically)."""
     import gguf
 
-    _check_q4_0_shape(shape)
+    _check_widths(shape)
     rnd = _Random(seed)
-    tensors = _gguf_tensors(shape, rnd)
+    plan = _gguf_plan(shape)
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(str(tmp), "qwen3moe")
         w.add_name(f"hetmoe random {shape.name}")
@@ -215,49 +209,20 @@ def write_q4_0_gguf(shape: ModelShape, path: Path, seed: int = 0) -> Path:
         w.add_eos_token_id(tokens.index("<|endoftext|>"))
         w.add_bos_token_id(tokens.index("<|endoftext|>"))
         w.add_add_bos_token(False)
-        for name, _ in tensors:
-            dims, quantized = _gguf_shape(name, shape)
-            dtype = np.dtype(np.uint8 if quantized else np.float32)
-            raw = gguf.GGMLQuantizationType.Q4_0 if quantized else None
-            w.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize, raw_dtype=raw)
+        for name, dims, kind in plan:
+            stored, dtype = _stored_shape(dims, kind)
+            raw = gguf.GGMLQuantizationType.Q4_0 if kind == "q4_0" else None
+            w.add_tensor_info(name, stored, dtype, math.prod(stored) * dtype.itemsize, raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, make in tensors:
-            w.write_tensor_data(make()[0])
+        for _, dims, kind in plan:  # one tensor in memory at a time
+            w.write_tensor_data(_make(dims, kind, rnd))
         w.close()
     return path
 
 
 # --- the compressed-tensors directory -------------------------------------------------------------
-
-
-def compressed_tensors_int4_config(ignore: list[str], group_size: int = GROUP) -> dict[str, object]:
-    """Kimi-K2-Thinking's quantization_config: int4 groups on every Linear but those in ``ignore``."""
-    weights = {
-        "num_bits": 4,
-        "type": "int",
-        "symmetric": True,
-        "strategy": "group",
-        "group_size": group_size,
-        "dynamic": False,
-        "actorder": None,
-        "observer": "minmax",
-    }
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": None,
-                "output_activations": None,
-            }
-        },
-        "ignore": sorted(ignore),
-    }
 
 
 def _ct_shards(shape: ModelShape) -> list[list[PlannedTensor]]:
@@ -296,7 +261,7 @@ def _ct_value(t: PlannedTensor, shape: ModelShape, rnd: _Random) -> torch.Tensor
 
 def write_int4_ct(shape: ModelShape, directory: Path, seed: int = 0) -> Path:
     """The model as a compressed-tensors int4 g32 directory at ``directory`` (renamed in when whole)."""
-    _check_q4_0_shape(shape)
+    _check_widths(shape)
     rnd = _Random(seed)
     staging = directory.with_name(directory.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -313,8 +278,9 @@ def write_int4_ct(shape: ModelShape, directory: Path, seed: int = 0) -> Path:
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = shape.config()
     ignore = [t.name.removesuffix(".weight") for s in shape.shards() for t in s if _ignored(t)]
-    config.quantization_config = compressed_tensors_int4_config(ignore)  # type: ignore[attr-defined]
+    config.quantization_config = compressed_tensors_int4_config(ignore, GROUP)  # type: ignore[attr-defined]
     config.save_pretrained(staging)  # type: ignore[attr-defined]
+    (staging / "hetmoe-bench-shape.json").write_text(json.dumps({**asdict(shape), "seed": seed}, indent=1) + "\n")
     shutil.rmtree(directory, ignore_errors=True)  # an incomplete leftover (no config.json)
     os.replace(staging, directory)
     return directory
@@ -348,5 +314,4 @@ def build_source(
     if not (path / "config.json").exists():
         log(f"writing {path.name}: random compressed-tensors int4 g32 experts, one tensor at a time")
         write_int4_ct(shape, path, seed)
-    (path / "hetmoe-bench-shape.json").write_text(json.dumps({**asdict(shape), "seed": seed}, indent=1) + "\n")
     return path

@@ -10,6 +10,8 @@ Supported conventions: ``fp8`` with ``weight_block_size`` (DeepSeek-V3, MiniMax-
 compressed-tensors ``pack-quantized`` int4 (Kimi-K2) and ``float-quantized`` fp8 (channel or block
 strategy); GPTQ 4-bit with ``desc_act=False``; ``mxfp4`` (gpt-oss); no config at all (plain bf16,
 fp16 or fp32 experts, or a hetmoe-written tensor layout recognised by its names).
+``compressed_tensors_int4_config`` writes Kimi-K2's config for a directory hetmoe writes itself (the
+benchmark's full-depth model).
 """
 
 from __future__ import annotations
@@ -313,3 +315,31 @@ def check_requested(
         f"experts are stored as {source.label()}; {target.label()} was requested: they will be converted "
         "(dequantized and re-quantized one layer at a time), which costs fidelity and conversion time"
     )
+
+
+def compressed_tensors_int4_config(ignore: list[str], group_size: int = 32) -> dict[str, object]:
+    """Kimi-K2-Thinking's quantization_config: int4 groups on every Linear but those in ``ignore``."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": group_size,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": sorted(ignore),
+    }
