@@ -161,7 +161,9 @@ def test_gguf_vocabulary_is_a_byte_level_bpe_both_tokenizers_read(cache: Path) -
     text = "def f(x):\n    return x + 1  # naïve café 東京"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text and max(ids) < TINY.vocab
-    assert tok.eos_token == "<|endoftext|>"
+    assert tok.eos_token == "<|im_end|>"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="byte-level vocabulary of 100 tokens"):
         bpe_vocabulary(100)
 

@@ -402,3 +402,45 @@ def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=rf"generation_config.json.*{next(iter(bad))} must be"):
             _sampling_defaults(tmp_path)
+
+
+_MMAP_PROBE = """
+import ctypes
+from hetmoe.models.loader import pin_mmap_threshold
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], Info
+print(pin_mmap_threshold())
+libc.free(libc.malloc(8 << 20))  # a freed mapped block: glibc's own rule raises the threshold past it
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(8 << 20)
+print(libc.mallinfo2().hblkhd - before >= 8 << 20)  # mapped again, not carved from the heap
+libc.free(block)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"), reason="glibc >= 2.33 only")
+@pytest.mark.parametrize(("env", "want"), [(None, "131072\nTrue"), ("0", "0\nFalse"), ("1048576", "1048576\nTrue")])
+def test_serving_pins_the_mmap_threshold(env: str | None, want: str) -> None:
+    """pin_mmap_threshold (called by hetmoe serve) keeps large blocks in mappings of their own after a
+    bigger one was freed, where glibc's dynamic rule would serve them from the heap, whose freed
+    space stays resident; HETMOE_MMAP_THRESHOLD=0 leaves glibc's rule."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "HETMOE_MMAP_THRESHOLD"}
+    if env is not None:
+        environ["HETMOE_MMAP_THRESHOLD"] = env
+    out = subprocess.run([sys.executable, "-c", _MMAP_PROBE], capture_output=True, text=True, env=environ, check=True)
+    assert out.stdout.strip() == want
+
+
+def test_a_bad_mmap_threshold_is_named(monkeypatch) -> None:
+    from hetmoe.models.loader import pin_mmap_threshold
+
+    monkeypatch.setenv("HETMOE_MMAP_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match=r"HETMOE_MMAP_THRESHOLD='lots': expected a number of bytes"):
+        pin_mmap_threshold()

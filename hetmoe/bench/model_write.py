@@ -8,7 +8,8 @@ converter, not the model. So its quantized forms are written here from random co
   Q4_0`` write Qwen3-MoE: ``qwen3moe.*`` metadata, every 2-D weight in Q4_0 blocks (fp16 ``d``
   then 16 bytes of nibbles, weight = d * (nibble - 8), low nibbles the block's first 16 weights),
   the router ``ffn_gate_inp`` and the norms in F32 (llama-quantize never quantizes those), and a
-  byte-level BPE vocabulary so that llama.cpp and transformers both build a tokenizer from it.
+  byte-level BPE vocabulary and a ChatML chat template so that llama.cpp and transformers both
+  build a tokenizer from it and a server takes chat requests.
 - ``int4-ct``: a compressed-tensors ``pack-quantized`` int4 g32 directory as Kimi-K2 ships one:
   each routed expert's projections as ``weight_packed`` (int32, value i of a word at bits 4i, code
   + 8), ``weight_scale`` (bf16 per group of 32) and ``weight_shape``; everything else bf16 and in
@@ -80,6 +81,11 @@ class _Random:
 # --- a byte-level BPE vocabulary ------------------------------------------------------------------
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen's ChatML turns, so that a server can take chat requests on the written model.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def _byte_chars() -> list[str]:
@@ -206,9 +212,11 @@ def write_q4_0_gguf(shape: ModelShape, path: Path, seed: int = 0) -> Path:
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
-        w.add_eos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))  # as Qwen3's instruct GGUFs: a chat turn ends the text
         w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_pad_token_id(tokens.index("<|endoftext|>"))
         w.add_add_bos_token(False)
+        w.add_chat_template(CHATML)
         for name, dims, kind in plan:
             stored, dtype = _stored_shape(dims, kind)
             raw = gguf.GGMLQuantizationType.Q4_0 if kind == "q4_0" else None

@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
 
+    from ..models.loader import pin_mmap_threshold
+
+    pin_mmap_threshold()  # before the first large block: a server's RSS must not creep (loader.py)
     from ..serve.app import build_app
     from ..serve.served_model import load_served_model
 

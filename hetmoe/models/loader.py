@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -550,6 +551,35 @@ def release_freed_memory() -> None:
 
 
 _MALLOC_TRIM: Any = None
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD_ENV = "HETMOE_MMAP_THRESHOLD"
+DEFAULT_MMAP_THRESHOLD = 128 << 10  # glibc's own starting value
+
+
+def pin_mmap_threshold() -> int:
+    """Fix glibc's mmap threshold for a long-running process (``hetmoe serve``); returns the bytes
+    set, 0 where it was left alone.
+
+    Blocks of at least the threshold get a mapping of their own, returned to the OS when freed.
+    Left alone, glibc raises the threshold to the size of the largest such block freed so far (up
+    to 32 MiB), and from then on blocks of that size (a batch's logits, activations) come from the
+    heap instead, where freed space fragments and stays resident: a server's RSS creeps up with
+    each new mix of batch shapes. ``HETMOE_MMAP_THRESHOLD`` sets another value in bytes; 0 keeps
+    glibc's rule. Setting it also stops glibc moving its trim threshold, which malloc_trim
+    (``release_freed_memory``) complements."""
+    raw = os.environ.get(MMAP_THRESHOLD_ENV, "")
+    try:
+        nbytes = int(raw) if raw.strip() else DEFAULT_MMAP_THRESHOLD
+    except ValueError:
+        raise ValueError(f"{MMAP_THRESHOLD_ENV}={raw!r}: expected a number of bytes (0: glibc's own rule)") from None
+    if nbytes <= 0:
+        return 0
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return 0
+    return nbytes if mallopt(M_MMAP_THRESHOLD, nbytes) == 1 else 0
 
 
 def _engine_activations() -> set[str]:
