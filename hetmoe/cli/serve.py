@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..models.loader import pin_mmap_threshold
 
-    pin_mmap_threshold()  # before the first large block: a server's RSS must not creep (loader.py)
+    pin_mmap_threshold()  # HETMOE_MMAP_THRESHOLD, before the first large block (loader.py)
     from ..serve.app import build_app
     from ..serve.served_model import load_served_model
 
