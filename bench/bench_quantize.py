@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hetmoe.bench.model import drop_page_cache, plain_read
+
 _LOAD = """
 import sys, time
 from hetmoe import load_model
@@ -37,11 +39,6 @@ t = time.perf_counter()
 load_model(sys.argv[1], method="int4", cpu_threads=int(sys.argv[2]), progress=False)
 print(time.perf_counter() - t)
 """
-
-
-def _drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
@@ -56,17 +53,6 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, floa
         if proc.returncode:
             sys.exit(f"{' '.join(cmd[:4])} ...: exit {proc.returncode}\n{err.read()[-2000:]}")
         return wall, usage.ru_maxrss / 2**20, out.read()
-
-
-def _read(files: list[Path]) -> float:
-    t0 = time.perf_counter()
-    buf = bytearray(64 << 20)
-    view = memoryview(buf)
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(view):
-                pass
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -92,23 +78,23 @@ def main() -> None:
         for r in range(args.rounds):
             steps = []
             if args.cold:
-                _drop_caches()
-            steps.append(("read", _read(files)))
+                drop_page_cache()
+            steps.append(("read", plain_read(files, cold=False)))
             if args.llama_quantize and args.gguf:
                 if args.cold:
-                    _drop_caches()
+                    drop_page_cache()
                 out = Path(tmp) / "q4_0.gguf"
                 cmd = [str(args.llama_quantize), str(args.gguf), str(out), "Q4_0", str(args.threads)]
                 steps.append(("llama-quantize Q4_0", _run(cmd, llama_env)[0]))
                 out.unlink()
             if args.cold:
-                _drop_caches()
+                drop_page_cache()
             store = Path(tmp) / "store"
             cmd = [*hetmoe, "convert", str(args.model), str(store), "--method", "int4", "--quiet"]
             steps.append(("hetmoe convert int4", _run(cmd, env)[0]))
             shutil.rmtree(store)
             if args.cold:
-                _drop_caches()
+                drop_page_cache()
             _, peak, out_text = _run([sys.executable, "-c", _LOAD, str(args.model), str(args.threads)], env)
             steps.append(("hetmoe load --method int4", float(out_text.strip().splitlines()[-1])))
             rss.append(peak)

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 
+#include "method_traits.h"  // the GGUF block structs
 #include "moe_engine.h"  // global_pool()
 #include "thread_pool.h"
 
@@ -110,11 +111,14 @@ QuantResult quantize_gguf(const QuantSource& src, const char* kind, uint8_t* out
     int64_t block_elements, block_bytes;
     RowKernel kernel;
   };
-  static constexpr GGUFKind kKinds[] = {
-      {"q4_0", 32, 18, &QuantRowKernels::q4_0},     {"q8_0", 32, 34, &QuantRowKernels::q8_0},
-      {"q4_k", 256, 144, &QuantRowKernels::q4_k},   {"q5_k", 256, 176, &QuantRowKernels::q5_k},
-      {"q6_k", 256, 210, &QuantRowKernels::q6_k},   {"iq4_nl", 32, 18, &QuantRowKernels::iq4_nl},
-      {"iq4_xs", 256, 136, &QuantRowKernels::iq4_xs},
+  static constexpr GGUFKind kKinds[] = {  // the blocks' sizes as method_traits.h checks them against ggml's
+      {"q4_0", 32, sizeof(BlockQ4_0), &QuantRowKernels::q4_0},
+      {"q8_0", 32, sizeof(BlockQ8_0), &QuantRowKernels::q8_0},
+      {"q4_k", 256, sizeof(BlockQ4K), &QuantRowKernels::q4_k},
+      {"q5_k", 256, sizeof(BlockQ5K), &QuantRowKernels::q5_k},
+      {"q6_k", 256, sizeof(BlockQ6K), &QuantRowKernels::q6_k},
+      {"iq4_nl", 32, sizeof(BlockIQ4NL), &QuantRowKernels::iq4_nl},
+      {"iq4_xs", 256, sizeof(BlockIQ4XS), &QuantRowKernels::iq4_xs},
   };
   for (const GGUFKind& t : kKinds) {
     if (std::strcmp(t.name, kind) != 0) continue;
