@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -21,6 +22,7 @@ pytest.importorskip("transformers")
 
 from hetmoe.checkpoint import CheckpointError, open_source
 from hetmoe.checkpoint import convert as convert_module
+from hetmoe.checkpoint.atomic import SequentialWriter
 from hetmoe.checkpoint.config import read_config
 from hetmoe.checkpoint.convert import convert
 from hetmoe.checkpoint.experts import PROJECTIONS, codec_of, read_layer_experts
@@ -95,6 +97,34 @@ def test_writer_output_is_read_by_the_reference_library(tmp_path: Path) -> None:
         begin = json.loads(data[8 : 8 + header_len])[name]["data_offsets"][0]
         assert begin % tensors[name].element_size() == 0, name
         assert torch.equal(_bytes(ours.get(name)), _bytes(tensors[name]))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct_if_allowed", "page_cache"])
+def test_sequential_writer_writes_every_byte_in_order(tmp_path: Path, monkeypatch, direct: bool) -> None:
+    """Pieces of every size around the 4 KiB block and the (here 8 KiB) buffer, bytes and tensors,
+    through O_DIRECT where this filesystem allows it and through the page cache without it: the file
+    is their concatenation, and its size is what close() returns."""
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    g = torch.Generator().manual_seed(5)
+    sizes = [1, 0, 4095, 4096, 4097, 8192, 3, 20000, 8191, 12288, 7]
+    pieces = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in sizes]
+    path = tmp_path / "seq.bin"
+    with SequentialWriter(path, buffer_bytes=8192) as w:
+        assert w.direct is False or direct
+        for i, piece in enumerate(pieces):
+            w.write(piece if i % 2 else bytes(piece.numpy()))
+        w.write(torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16))  # a 2-D tensor's bytes as laid out
+        size = w.close()
+    expected = b"".join(bytes(p.numpy()) for p in pieces) + bytes(
+        torch.tensor([1.5, -2.0], dtype=torch.bfloat16).view(torch.uint8).numpy()
+    )
+    assert path.read_bytes() == expected and size == len(expected)
+
+
+def test_sequential_writer_refuses_a_buffer_that_is_not_whole_blocks(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="buffer_bytes: expected a positive multiple of 4096, found 5000"):
+        SequentialWriter(tmp_path / "x", buffer_bytes=5000)
 
 
 def test_writer_is_deterministic_whatever_the_input_order(tmp_path: Path) -> None:

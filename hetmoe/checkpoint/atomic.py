@@ -108,6 +108,102 @@ def write_text_atomic(target: str | Path, text: str) -> None:
     write_atomic(target, lambda tmp: tmp.write_text(text))
 
 
+class SequentialWriter:
+    """Writes one new file front to back, past the page cache (O_DIRECT) where the filesystem allows.
+
+    A multi-GB store written through the page cache costs a kernel copy into freshly allocated cache
+    pages, and on a VM whose free memory goes back to the host each such page is a host fault:
+    measured at 2-4 s of system time for 1.5 GB on the 2-vCPU VMs, against 0.1-0.2 s direct. So the
+    bytes are gathered in one page-aligned buffer (reused, so it is faulted in once) and written in
+    whole buffers straight to the disk; the tail that is not a whole number of 4 KiB blocks goes
+    through the page cache. Where O_DIRECT is refused (tmpfs and some network filesystems), every
+    write is buffered and its write-back started per buffer (``start_writeback``). The caller's
+    fsync (``atomic_path``) then has little or nothing left to wait for.
+    """
+
+    BLOCK = 4096  # O_DIRECT wants block-aligned buffers, sizes and offsets; 4 KiB covers 512 B disks
+
+    def __init__(self, path: str | Path, buffer_bytes: int = 8 << 20) -> None:
+        import mmap
+
+        if buffer_bytes <= 0 or buffer_bytes % self.BLOCK:
+            raise ValueError(f"buffer_bytes: expected a positive multiple of {self.BLOCK}, found {buffer_bytes}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            self.fd = os.open(path, flags | direct)
+            self.direct = bool(direct)
+        except OSError:
+            self.fd = os.open(path, flags)
+            self.direct = False
+        self._map = mmap.mmap(-1, buffer_bytes)  # anonymous: page-aligned
+        self._buffer: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._used = 0
+        self.written = 0
+
+    def write(self, data: torch.Tensor | bytes) -> None:
+        """Append ``data``: a contiguous tensor's bytes as they lie in memory, or bytes."""
+        if isinstance(data, torch.Tensor):
+            flat = data.reshape(-1).view(torch.uint8)
+        elif len(data):
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            return
+        at, n, size = 0, flat.numel(), self._buffer.numel()
+        while at < n:
+            take = min(n - at, size - self._used)
+            self._buffer[self._used : self._used + take].copy_(flat[at : at + take])
+            self._used += take
+            at += take
+            if self._used == size:
+                self._write_out(0, size)
+                self._used = 0
+
+    def _write_out(self, start: int, stop: int) -> None:
+        with memoryview(self._map) as view:
+            while start < stop:
+                n = os.write(self.fd, view[start:stop])
+                if self.direct and n % self.BLOCK:  # a short write leaves later offsets unaligned
+                    self._buffered()
+                elif not self.direct:
+                    start_writeback(self.fd, self.written, n)
+                self.written += n
+                start += n
+
+    def close(self) -> int:
+        """Write what is left and close; returns the file's size."""
+        try:
+            whole = self._used - self._used % self.BLOCK
+            self._write_out(0, whole)
+            if self._used > whole:
+                self._buffered()  # a partial block cannot go direct: the page cache takes the tail
+                self._write_out(whole, self._used)
+        finally:
+            self._release()
+        return self.written
+
+    def _buffered(self) -> None:
+        if self.direct:
+            import fcntl
+
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+
+    def _release(self) -> None:
+        if self._buffer is not None:
+            os.close(self.fd)
+            self._buffer = None  # the tensor's hold on the map goes first
+            self._map.close()
+
+    def __enter__(self) -> SequentialWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None and self._buffer is not None:
+            self.close()
+        self._release()
+
+
 def start_writeback(fd: int, start: int, length: int) -> None:
     """Have the kernel start writing ``length`` freshly written bytes at ``start`` to the disk now
     (Linux starts the write-back of dirty pages on POSIX_FADV_DONTNEED and then drops them from the

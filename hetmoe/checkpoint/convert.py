@@ -43,6 +43,7 @@ import torch
 
 from .. import __version__
 from ..formats import Codec, FormatError, QuantizedTensor, get_codec
+from ..gc_pause import gc_paused
 from .atomic import atomic_path, write_atomic, write_text_atomic
 from .config import read_config
 from .errors import CheckpointError
@@ -356,6 +357,7 @@ class ConvertResult:
         return self.source_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
+@gc_paused()
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -392,35 +394,33 @@ def convert(
     written = 0
     bar = _bar(todo, "convert", progress and todo > 0)
     n_layers = len(plan.layout.moe_layers)
-    # A layer's file is written (and hashed, fsynced) on a thread while the next layer converts: the
-    # disk's write-back and the quantizer overlap. A layer counts as done once its write returned.
+    # Files are written (and hashed, fsynced) on a thread while the next layer converts: the disk's
+    # write-back and the quantizer overlap. The non-expert shards need no conversion, so they go first
+    # and are written while the first layer converts. A file counts as done once its write returned;
+    # at most one layer's converted experts wait for the writer.
     writer = ThreadPoolExecutor(1, thread_name_prefix="hetmoe-store-writer")
-    pending: list[tuple[int, Future[dict[str, Any]]]] = []
+    pending: list[tuple[int, Future[dict[str, Any]]]] = []  # (source bytes, the file's journal record)
 
     def finish_oldest() -> None:
         nonlocal written
-        layer, future = pending.pop(0)
+        source_bytes, future = pending.pop(0)
         record = future.result()
         written += record["bytes"]
         done[record["file"]] = record
         _save_journal(dst, plan, done)
-        bar.update(plan.layer_source_bytes(layer))
+        bar.update(source_bytes)
 
     try:
+        pending += [(plan.shard_source_bytes(i), writer.submit(_write_rest, plan, dst, i)) for i in shards]
         for layer in layers:
             bar.set_postfix_str(f"layers {n_layers - len(layers) + layers.index(layer)}/{n_layers}", refresh=False)
-            pending.append((layer, _convert_layer(plan, dst, layer, quantize, writer)))
-            if len(pending) > 1:
+            future = _convert_layer(plan, dst, layer, quantize, writer)
+            while pending:  # the files before this layer's, so that no two layers' experts wait
                 finish_oldest()
+            pending.append((plan.layer_source_bytes(layer), future))
+        bar.set_postfix_str(f"layers {n_layers}/{n_layers}", refresh=False)
         while pending:
             finish_oldest()
-        bar.set_postfix_str(f"layers {n_layers}/{n_layers}, non-expert tensors", refresh=False)
-        for index in shards:
-            record = _write_rest(plan, dst, index)
-            written += record["bytes"]
-            done[record["file"]] = record
-            _save_journal(dst, plan, done)
-            bar.update(plan.shard_source_bytes(index))
     finally:
         while pending:  # interrupted: a write already under way still lands in the journal
             try:

@@ -38,6 +38,7 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ import torch
 
 from ..formats import FormatError, QuantizedTensor, get_codec
 from ..formats.registry import UnknownMethodError
-from .atomic import start_writeback
+from .atomic import SequentialWriter
 from .config import read_json_object
 from .errors import CheckpointError
 from .experts import PROJECTIONS, LayerExperts
@@ -64,9 +65,8 @@ REST_FORMAT = "hetmoe-rest"
 EXPERTS_MODULE = "experts"
 GGUF_TENSORS_KEY = "gguf_tensors"
 _LAYER_FILE = re.compile(r"^experts-L(?P<layer>\d{3,})\.safetensors$")
-# Bytes handed to write() and the hash at a time: big enough to be fast, small enough that a huge
-# tensor is never copied whole.
-_WRITE_CHUNK = 64 << 20
+# Bytes handed to the writer and the hash at a time: small enough to stay in cache between the two.
+_WRITE_CHUNK = 8 << 20
 
 
 def layer_file_name(layer: int) -> str:
@@ -150,7 +150,9 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: di
     raw += b" " * (-len(raw) % 8)
     digest = hashlib.sha256()
     head = struct.pack("<Q", len(raw)) + raw
-    with open(path, "wb") as f:
+    # Each piece is hashed on a second thread while it is written (both release the GIL), so a
+    # layer written while nothing else runs takes the time of the slower of the two, not their sum.
+    with SequentialWriter(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hetmoe-hash") as hasher:
         f.write(head)
         digest.update(head)
         for t in ordered:
@@ -159,12 +161,10 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: di
                 raise FormatError(t.name, f"{t.dtype} {list(t.shape)} as planned", f"{data.dtype} {list(data.shape)}")
             flat = data.contiguous().reshape(-1).view(torch.uint8)
             for start in range(0, flat.numel(), _WRITE_CHUNK):
-                piece = flat[start : start + _WRITE_CHUNK].numpy()
-                at = f.tell()
-                f.write(piece.data)
-                f.flush()
-                start_writeback(f.fileno(), at, len(piece.data))
-                digest.update(piece.data)
+                piece = flat[start : start + _WRITE_CHUNK]
+                hashed = hasher.submit(digest.update, piece.numpy().data)
+                f.write(piece)
+                hashed.result()
             del data, flat
     return WrittenFile(len(head) + offset, digest.hexdigest())
 

@@ -35,6 +35,7 @@ from ..checkpoint.experts import LayerExperts, read_layer_experts
 from ..checkpoint.layout import MoELayout, moe_layout
 from ..formats import get_codec
 from ..formats.base import QuantizedTensor
+from ..gc_pause import gc_paused
 from ..kernels.dispatch import set_num_threads
 from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
@@ -59,6 +60,7 @@ from .planner import plan_memory
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+@gc_paused()
 def load_model(
     path: str | Path,
     method: str | None = None,
