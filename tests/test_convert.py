@@ -36,6 +36,7 @@ from hetmoe.checkpoint.layout import moe_layout
 from hetmoe.checkpoint.store import JOURNAL, MANIFEST, ExpertStore, layer_file_name
 from hetmoe.cli.main import main
 from hetmoe.formats import get_codec, snr_db
+from hetmoe.formats.packing import unpack_nibbles
 
 REPO = Path(__file__).resolve().parents[1]
 # Children run on one torch thread for the reason the one_torch_thread fixture (conftest.py) gives.
@@ -143,6 +144,34 @@ def test_quantized_sources_round_trip_within_the_floors(
             assert snr >= floor, (layer, proj, snr)
             recorded = verified[layer][proj]
             assert recorded == "inf" if snr == float("inf") else abs(recorded - snr) < 0.02, (recorded, snr)
+
+
+def test_kimi_int4_to_an_int4_store_moves_the_codes_without_requantizing(
+    tiny_cache, tmp_path: Path, monkeypatch
+) -> None:
+    """int4 g32 in compressed-tensors' int32 words and in the store's bytes are the same codes and
+    scales: the store holds the source's nibbles (unpacked by the published rule) and scales exactly,
+    and nothing is quantized on the way (re-quantizing would be lossy and, at full size, minutes)."""
+    from hetmoe.formats.int4 import Int4Codec
+
+    src = tiny_cache.int4()  # built (by quantizing) before the quantizer is watched
+    original, shapes = Int4Codec.quantize, []
+
+    def watched(self, weight, name="weight"):
+        shapes.append(tuple(weight.shape))
+        return original(self, weight, name)
+
+    monkeypatch.setattr(Int4Codec, "quantize", watched)
+    convert(src, tmp_path / "store", "int4", progress=False)
+    assert shapes and all(s[0] == 1 for s in shapes), shapes  # only the plan's dimension check, no experts
+    reference, written = _experts(src), _experts(tmp_path / "store")
+    ct = get_codec("int4", group_size=32, layout="compressed-tensors")
+    for layer, experts in written.items():
+        for proj in PROJECTIONS:
+            q, ref = experts.projections[proj], reference[layer].projections[proj]
+            assert q.params == {"group_size": 32, "layout": "bytes"}
+            assert torch.equal(unpack_nibbles(q.tensors[".weight"]), ct.codes(ref)), (layer, proj)
+            assert torch.equal(q.tensors[".weight_scale"], ref.tensors[".weight_scale"]), (layer, proj)
 
 
 # --- other sources ----------------------------------------------------------------------------------------

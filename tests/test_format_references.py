@@ -179,6 +179,29 @@ def test_int4_bytes_rule() -> None:
     assert torch.equal(codec.dequantize(q), ref)
 
 
+@pytest.mark.parametrize("method", ["int4", "int4-asym"])
+@pytest.mark.parametrize("rows", [8, 13])  # 13: the asymmetric zero points' int32 packing along N pads rows
+def test_int4_layouts_repack_into_each_other_exactly(method: str, rows: int) -> None:
+    """Kimi-K2's compressed-tensors layout and the store's bytes hold the same codes: repacking moves
+    them (compared here by the published rules' unpacking, not the repacker's own) and round-trips."""
+    w = torch.randn(2, rows, 64, generator=GEN)
+    ct = get_codec(method, group_size=32, layout="compressed-tensors")
+    by = get_codec(method, group_size=32)
+    q = ct.quantize(w)
+    moved = ct.repacked(q, by)
+    assert moved is not None and moved.params == by.params
+    by.validate(moved)
+    assert torch.equal(unpack_nibbles(moved.tensors[".weight"]), unpack_int32(q.tensors[".weight_packed"]))
+    assert torch.equal(moved.tensors[".weight_scale"], q.tensors[".weight_scale"])
+    assert torch.equal(by.dequantize(moved), ct.dequantize(q))
+    back = by.repacked(moved, ct)
+    assert back is not None and back.tensors.keys() == q.tensors.keys()
+    for suffix, t in q.tensors.items():
+        assert torch.equal(back.tensors[suffix], t), suffix
+    assert ct.repacked(q, get_codec(method, group_size=64)) is None  # another grouping is another precision
+    assert ct.repacked(q, get_codec("int8")) is None
+
+
 def test_mxfp4_matches_gpt_oss_rule() -> None:
     lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
     blocks = torch.randint(0, 256, (6, 4, 16), generator=GEN, dtype=torch.uint8)

@@ -142,6 +142,12 @@ class Codec(ABC):
     def params(self) -> dict[str, Any]:
         return {}
 
+    def repacked(self, q: QuantizedTensor, target: Codec) -> QuantizedTensor | None:
+        """``q`` (this codec's) as ``target`` stores it, where the two hold the same values in different
+        tensors (only a layout differs): the codes and scales moved, nothing re-quantized. None where
+        ``target`` is another precision."""
+        return None
+
     def label(self) -> str:
         """Human-readable name with parameters, e.g. ``int4 g32``."""
         extra = " ".join(f"{k}={v}" for k, v in self.params.items())

@@ -93,6 +93,16 @@ class _Int4Base(Codec):
                 )
         return QuantizedTensor(self.method, tuple(shape), tensors, self.params)
 
+    def repacked(self, q: QuantizedTensor, target: Codec) -> QuantizedTensor | None:
+        """Between the two layouts (Kimi-K2's compressed-tensors and the store's bytes) of one group
+        size: the same codes, scales and zero points. An int32 word holding value i at bits 4i is, read
+        as little-endian bytes, the bytes layout's two codes a byte, low nibble first."""
+        if type(target) is not type(self) or not isinstance(target, _Int4Base) or target.group_size != self.group_size:
+            return None
+        nibbles = q.tensors[".weight"] if self.layout == "bytes" else q.tensors[".weight_packed"].view(torch.uint8)
+        zero = self.zero_points(q).to(torch.uint8) if self.asymmetric else None
+        return target.stored(tuple(q.shape), nibbles, q.tensors[".weight_scale"], zero)
+
     def codes(self, q: QuantizedTensor) -> torch.Tensor:
         """The unsigned stored codes ``uint8 [..., N, K]`` (value + 8)."""
         if self.layout == "bytes":
