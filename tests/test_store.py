@@ -181,6 +181,75 @@ def test_non_expert_tensors_keep_their_names_and_bytes(store: Path, tiny_cache) 
         assert torch.equal(_bytes(src.get(name)), _bytes(dst.get(name))), name
 
 
+def _resident_bytes(path: Path) -> int:
+    """This process's resident bytes of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_populate_maps_what_the_engine_reads(store: Path, tmp_path: Path) -> None:
+    """A store layer's tensors are views of the one mapping ``populate`` fills: after populating
+    them, the layer file's pages are resident in this process (populate reads no data itself, so
+    a read afterwards would show nothing if the two mappings differed)."""
+    copy = _copy(store, tmp_path)
+    source = open_source(copy)
+    assert isinstance(source, ExpertStore)
+    layer = source.moe_layers[0]
+    experts = source.layer(layer)
+    path = (copy / layer_file_name(layer)).resolve()
+    names = source.layer_keys(layer)
+    for name in names:
+        source.populate(name)
+    data = sum(source.info(n).nbytes for n in names)
+    assert _resident_bytes(path) >= data  # whole pages: at least the tensors' bytes
+    codes = experts.projections["gate"].tensors[".weight"]
+    (name,) = [n for n in names if n.endswith("gate.weight")]
+    assert codes.data_ptr() == source.get(name).data_ptr()  # the same bytes of one mapping, not a second open
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_loader_waits_for_its_read_ahead_only_when_the_load_finished(finished: bool) -> None:
+    """Every queued layer is read (prefetched, then populated) before a finished load returns; a
+    failed load drops the layers not yet started."""
+    import threading
+    import time
+
+    from hetmoe.models.loader import _ReadAhead
+
+    calls: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    class Source:
+        def prefetch(self, name: str) -> None:
+            time.sleep(0.02)  # the disk: slower than the loader queues layers
+            with lock:
+                calls.append(("prefetch", name))
+
+        def populate(self, name: str) -> None:
+            with lock:
+                calls.append(("populate", name))
+
+    layers = [[f"L{i}.a", f"L{i}.b"] for i in range(6)]
+    reader = _ReadAhead(Source(), layers)  # type: ignore[arg-type]
+    for index in range(len(layers)):
+        reader.start(index)
+    reader.close(finished)
+    populated = [name for kind, name in calls if kind == "populate"]
+    if finished:
+        assert populated == [n for layer in layers for n in layer]
+        for name in populated:  # each layer asked of the disk whole before it is mapped in
+            assert calls.index(("prefetch", name)) < calls.index(("populate", name))
+    else:
+        assert len(populated) < 2 * len(layers)
+
+
 def test_layer_files_describe_themselves(store: Path) -> None:
     f = SafetensorsFile(store / layer_file_name(1))
     assert f.metadata["method"] == "int8" and f.metadata["layer"] == "1" and f.metadata["format"] == "hetmoe-experts"

@@ -71,6 +71,11 @@ class MultiFileSource:
         if hasattr(file, "prefetch"):
             file.prefetch(name)
 
+    def populate(self, name: str) -> None:
+        file = self._file(name)
+        if hasattr(file, "populate"):
+            file.populate(name)
+
 
 def open_source(path: str | Path) -> TensorSource:
     """A tensor source for a file or model directory; a clear error for anything else."""

@@ -209,9 +209,11 @@ class LayerSpec:
         return {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
 
 
-def check_layer_header(path: Path, spec: LayerSpec) -> SafetensorsFile:
-    """Open a layer file and check its metadata and tensor names against ``spec`` (no data read)."""
-    f = SafetensorsFile(path)
+def check_layer_header(path: Path | SafetensorsFile, spec: LayerSpec) -> SafetensorsFile:
+    """Open a layer file (or take it opened) and check its metadata and tensor names against ``spec``
+    (no data read)."""
+    f = path if isinstance(path, SafetensorsFile) else SafetensorsFile(path)
+    path = f.path
     meta = f.metadata
     want = layer_metadata(spec.layer, spec.method, spec.params)
     for key in ("format", "layer", "method", "params"):
@@ -233,9 +235,11 @@ def check_layer_header(path: Path, spec: LayerSpec) -> SafetensorsFile:
     return f
 
 
-def read_layer_file(path: Path, spec: LayerSpec) -> LayerExperts:
-    """One layer file as ``LayerExperts`` in the store's method, every tensor validated."""
+def read_layer_file(path: Path | SafetensorsFile, spec: LayerSpec) -> LayerExperts:
+    """One layer file as ``LayerExperts`` in the store's method, every tensor validated: views of the
+    file's one mapping (so that what ``populate`` or ``prefetch`` read in is what the engine uses)."""
     f = check_layer_header(path, spec)
+    path = f.path
     codec = get_codec(spec.method, **spec.params)
     out: dict[str, QuantizedTensor] = {}
     biases: dict[str, torch.Tensor | None] = {}
@@ -446,7 +450,8 @@ class ExpertStore:
     def layer(self, layer: int) -> LayerExperts:
         """Layer ``layer``'s experts in the store's method, validated."""
         spec = self.layer_spec(layer)
-        return read_layer_file(self.path / self._layers[layer]["file"], spec)
+        file = self._layers[layer]["file"]
+        return read_layer_file(next(f for f in self._files if f.path.name == file), spec)
 
     def layer_keys(self, layer: int) -> list[str]:
         """The names of one layer's expert tensors, as ``keys()`` lists them."""
@@ -509,3 +514,7 @@ class ExpertStore:
     def prefetch(self, name: str) -> None:
         """Start reading the tensor's bytes into the page cache (SafetensorsFile.prefetch)."""
         self._file(name).prefetch(name)
+
+    def populate(self, name: str) -> None:
+        """Read the tensor's bytes into memory now (SafetensorsFile.populate)."""
+        self._file(name).populate(name)

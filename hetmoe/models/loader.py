@@ -189,6 +189,7 @@ def load_model(
     layer_keys = _layer_keys(source, layout)
     reader = _ReadAhead(source, [layer_keys[x][0] for x in layout.moe_layers])
     bar = _progress_bar(sum(b for _, b in layer_keys.values()), progress)
+    finished = False
     try:
         reader.start(0)  # the first MoE layer comes off the disk while the rest of the model loads
         _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
@@ -209,9 +210,10 @@ def load_model(
                 hybrids[layer].enable_replacement(replace_every, replace_margin)
             del experts
             release_freed_memory()
+        finished = True
     finally:  # the read-ahead thread and the bar end with the load, failed or not
+        reader.close(finished)
         bar.close()
-        reader.close()
 
     model.eval()
     model.requires_grad_(False)
@@ -322,11 +324,15 @@ def _layer_keys(source: TensorSource, layout: MoELayout) -> dict[int, tuple[list
 
 
 class _ReadAhead:
-    """Prefetches a layer's expert tensors into the page cache on a background thread (the source's
-    ``prefetch`` releases the GIL), one layer ahead of the reader; nothing where the source cannot."""
+    """Reads each layer's expert tensors on a background thread, one layer ahead of the reader: the
+    kernel is asked for all of a layer's bytes at once (``prefetch``, POSIX_FADV_WILLNEED), then they
+    are mapped in (``populate``; both release the GIL). Where the engine keeps views of the file (a
+    store, fused tensors in their stored precision) nothing else would read them before the first
+    forwards, so a finished load waits for every layer: the model it returns is in memory."""
 
     def __init__(self, source: TensorSource, layers: list[list[str]]) -> None:
         self.prefetch = getattr(source, "prefetch", None)
+        self.populate = getattr(source, "populate", None)
         self.layers = layers
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hetmoe-readahead") if self.prefetch else None
 
@@ -338,10 +344,14 @@ class _ReadAhead:
         assert self.prefetch is not None
         for key in keys:
             self.prefetch(key)
+        if self.populate is not None:
+            for key in keys:
+                self.populate(key)
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
+        """Wait for the layers still queued where the load ``finished``, else drop them."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=True, cancel_futures=not finished)
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
