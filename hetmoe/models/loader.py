@@ -187,7 +187,8 @@ def load_model(
             dtype=model_dtype,
         )
     layer_keys = _layer_keys(source, layout)
-    reader = _ReadAhead(source, [layer_keys[x][0] for x in layout.moe_layers])
+    keeps_views = method is None and layout.style != "per_expert"  # per-expert tensors are stacked (a copy)
+    reader = _ReadAhead(source, [layer_keys[x][0] for x in layout.moe_layers], keeps_views)
     bar = _progress_bar(sum(b for _, b in layer_keys.values()), progress)
     finished = False
     try:
@@ -330,9 +331,10 @@ class _ReadAhead:
     store, fused tensors in their stored precision) nothing else would read them before the first
     forwards, so a finished load waits for every layer: the model it returns is in memory."""
 
-    def __init__(self, source: TensorSource, layers: list[list[str]]) -> None:
+    def __init__(self, source: TensorSource, layers: list[list[str]], keeps_views: bool = True) -> None:
         self.prefetch = getattr(source, "prefetch", None)
-        self.populate = getattr(source, "populate", None)
+        # Where the reader copies or converts the bytes, it maps them in itself and lets them go.
+        self.populate = getattr(source, "populate", None) if keeps_views else None
         self.layers = layers
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hetmoe-readahead") if self.prefetch else None
 
