@@ -122,6 +122,29 @@ def test_sequential_writer_writes_every_byte_in_order(tmp_path: Path, monkeypatc
     assert path.read_bytes() == expected and size == len(expected)
 
 
+def test_sequential_writer_falls_back_when_direct_writes_are_refused(tmp_path: Path, monkeypatch) -> None:
+    """A device that wants more alignment than 4 KiB refuses O_DIRECT writes (EINVAL) after the open
+    succeeded: the writer goes on through the page cache and the file is still every byte."""
+    import errno
+
+    real_write, refused = os.write, []
+
+    def write(fd: int, data) -> int:
+        if not refused and writer.direct:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    payload = bytes(range(256)) * 100
+    writer = SequentialWriter(tmp_path / "x", buffer_bytes=8192)
+    monkeypatch.setattr(os, "write", write)
+    writer.direct = True  # as if the open had taken O_DIRECT, whatever this filesystem does
+    writer.write(payload)
+    size = writer.close()
+    assert refused and not writer.direct
+    assert (tmp_path / "x").read_bytes() == payload and size == len(payload)
+
+
 def test_sequential_writer_refuses_a_buffer_that_is_not_whole_blocks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="buffer_bytes: expected a positive multiple of 4096, found 5000"):
         SequentialWriter(tmp_path / "x", buffer_bytes=5000)

@@ -6,6 +6,7 @@ never a partial file under the final name.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -162,7 +163,13 @@ class SequentialWriter:
     def _write_out(self, start: int, stop: int) -> None:
         with memoryview(self._map) as view:
             while start < stop:
-                n = os.write(self.fd, view[start:stop])
+                try:
+                    n = os.write(self.fd, view[start:stop])
+                except OSError as exc:
+                    if not (self.direct and exc.errno == errno.EINVAL):
+                        raise
+                    self._buffered()  # a device wanting larger alignment than BLOCK: write through the cache
+                    continue
                 if self.direct and n % self.BLOCK:  # a short write leaves later offsets unaligned
                     self._buffered()
                 elif not self.direct:
