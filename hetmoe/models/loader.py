@@ -21,7 +21,8 @@ import os
 import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,6 @@ def load_model(
     keeps_views = method is None and layout.style != "per_expert"  # per-expert tensors are stacked (a copy)
     reader = _ReadAhead(source, [layer_keys[x][0] for x in layout.moe_layers], keeps_views)
     bar = _progress_bar(sum(b for _, b in layer_keys.values()), progress)
-    finished = False
     try:
         reader.start(0)  # the first MoE layer comes off the disk while the rest of the model loads
         _load_non_experts(model, source, adapter, model_dtype, dev, config, dense)
@@ -200,6 +200,7 @@ def load_model(
         methods = set()
         for index, layer in enumerate(layout.moe_layers):
             reader.start(index + 1)  # the disk reads the next layer while this one converts and packs
+            reader.wait(index)
             experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
             bar.set_postfix_str(f"layers {index + 1}/{len(layout.moe_layers)}", refresh=False)
             bar.update(layer_keys[layer][1])
@@ -211,9 +212,8 @@ def load_model(
                 hybrids[layer].enable_replacement(replace_every, replace_margin)
             del experts
             release_freed_memory()
-        finished = True
     finally:  # the read-ahead thread and the bar end with the load, failed or not
-        reader.close(finished)
+        reader.close()
         bar.close()
 
     model.eval()
@@ -326,10 +326,11 @@ def _layer_keys(source: TensorSource, layout: MoELayout) -> dict[int, tuple[list
 
 class _ReadAhead:
     """Reads each layer's expert tensors on a background thread, one layer ahead of the reader: the
-    kernel is asked for all of a layer's bytes at once (``prefetch``, POSIX_FADV_WILLNEED), then they
-    are mapped in (``populate``; both release the GIL). Where the engine keeps views of the file (a
-    store, fused tensors in their stored precision) nothing else would read them before the first
-    forwards, so a finished load waits for every layer: the model it returns is in memory."""
+    kernel is asked for all of a layer's bytes at once (``prefetch``, POSIX_FADV_WILLNEED), then,
+    where the engine keeps views of the file (a store, fused tensors in their stored precision), they
+    are mapped in (``populate``; both release the GIL). Nothing else would read such views before the
+    first forwards, so the loader waits for each layer's read (``wait``): the model it returns is in
+    memory, and its progress bar moves at the disk's pace."""
 
     def __init__(self, source: TensorSource, layers: list[list[str]], keeps_views: bool = True) -> None:
         self.prefetch = getattr(source, "prefetch", None)
@@ -337,10 +338,17 @@ class _ReadAhead:
         self.populate = getattr(source, "populate", None) if keeps_views else None
         self.layers = layers
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hetmoe-readahead") if self.prefetch else None
+        self.reads: dict[int, Future[None]] = {}
 
     def start(self, index: int) -> None:
         if self.pool is not None and index < len(self.layers):
-            self.pool.submit(self._fetch, self.layers[index])
+            self.reads[index] = self.pool.submit(self._fetch, self.layers[index])
+
+    def wait(self, index: int) -> None:
+        """Until layer ``index`` is in memory, where this reader maps layers in (a failed read is
+        left for the reader to report)."""
+        if self.populate is not None and index in self.reads:
+            futures_wait([self.reads.pop(index)])
 
     def _fetch(self, keys: list[str]) -> None:
         assert self.prefetch is not None
@@ -350,10 +358,9 @@ class _ReadAhead:
             for key in keys:
                 self.populate(key)
 
-    def close(self, finished: bool) -> None:
-        """Wait for the layers still queued where the load ``finished``, else drop them."""
+    def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=not finished)
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
