@@ -58,6 +58,7 @@ ARCH = {
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
     "gpt_oss": "gpt-oss",
+    "olmoe": "olmoe",
     "mixtral": "llama",
 }
 # the gguf package's MODEL_ARCH names
@@ -140,6 +141,8 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
             "attention.key_length": c.head_dim,
             "attention.value_length": c.head_dim,
         }
+    if arch == "olmoe":  # TextModel's keys + OlmoeModel's (conversion/olmo.py): rms eps fixed at 1e-5
+        return _text_model_metadata(c) | {"expert_count": c.num_experts, "attention.layer_norm_rms_epsilon": 1e-5}
     if arch == "gpt-oss":  # TextModel's keys (rope scaling included) + GptOssModel's (conversion/gpt_oss.py)
         rope = c.rope_parameters
         return _text_model_metadata(c) | {
@@ -442,6 +445,7 @@ def _add_tokenizer(writer: Any, directory: Path) -> None:
         ("glm4_moe", {}, True),
         ("glm4_moe", {"use_qk_norm": True, "attention_bias": True, "norm_topk_prob": False}, True),
         ("minimax_m2", {"rope_parameters": HALF_ROTARY}, True),
+        ("olmoe", {"num_key_value_heads": 4, "rms_norm_eps": 1e-5}, True),  # llama.cpp: as many KV heads as heads
     ],
     ids=[
         "qwen3moe",
@@ -454,6 +458,7 @@ def _add_tokenizer(writer: Any, directory: Path) -> None:
         "glm4moe",
         "glm4moe-qk-norm-bias",
         "minimax-m2",
+        "olmoe",
     ],
 )
 def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_kv_b: bool, tmp_path: Path) -> None:
@@ -653,8 +658,8 @@ def test_missing_metadata_names_the_file_and_key(tmp_path: Path) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     model = random_model("qwen3_moe")
     path = tmp_path / "m.gguf"
-    write_gguf(model, path, arch="olmoe")
-    with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture 'olmoe'.*qwen3moe"):
+    write_gguf(model, path, arch="qwen3next")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture 'qwen3next'.*qwen3moe"):
         load_model(path)
 
 

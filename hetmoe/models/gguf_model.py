@@ -29,6 +29,9 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
   ``attention.sliding_window_pattern`` (default: every other layer, the first sliding); the clamped
   SwiGLU's alpha and limit are fixed in llama.cpp's graph (1.702, 7), and its YaRN floors and ceils
   the correction range (transformers' ``truncate``), whatever the original config.json said.
+- olmoe (OLMoE): every layer MoE, softmax routing never renormalised (``norm_w = false`` in
+  ``olmoe.cpp``), q/k norms over the whole projections (transformers' OLMoE; llama.cpp sizes both
+  ``n_embd``, so its files have as many KV heads as heads), neox rope, no biases.
 - ``output.weight`` absent means the embedding is tied to the output.
 - What the file does not say but llama.cpp's graph fixes: qwen3moe always renormalises the top-k
   routing weights (``norm_w = true`` in ``qwen3moe.cpp``), qwen2moe never does (``false``); the
@@ -64,7 +67,7 @@ from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_code
 
 # Where transformers keeps the decoder layers of every architecture read here.
 MODULE_PREFIX = "model.layers"
-ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "llama")
+ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "olmoe", "llama")
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
@@ -293,6 +296,7 @@ class GGUFModel:
             "glm4moe": self._glm4moe,
             "minimax-m2": self._minimax_m2,
             "gpt-oss": self._gpt_oss,
+            "olmoe": self._olmoe,
             "llama": self._llama,
         }
         fields, self._layer_names = builders[self.arch](layout)
@@ -420,6 +424,25 @@ class GGUFModel:
             qkv = {k: v for k, v in _QKV.items() if bias or not k.endswith(".bias")}
             mlp = _ROUTER if layer in layout.moe_layers else _DENSE_MLP
             return _NORMS | qkv | _QK_NORM | mlp
+
+        return fields, names
+
+    def _olmoe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        fields = self._gqa_fields(layout)
+        self._all_moe(layout)
+        self._no_expert_scale()
+        fields |= {
+            "model_type": "olmoe",
+            "num_experts": layout.num_experts,
+            "intermediate_size": layout.intermediate_size,  # OLMoE's config names the experts' width so
+            "norm_topk_prob": False,
+            "attention_bias": False,
+            "clip_qkv": None,
+        }
+        attention = {k: v for k, v in _QKV.items() if not k.endswith(".bias")} | _QK_NORM
+
+        def names(layer: int) -> dict[str, str]:
+            return _NORMS | attention | _ROUTER
 
         return fields, names
 

@@ -90,9 +90,9 @@ def load_model(
 ) -> Any:
     """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
 
-    ``path``: a checkpoint directory or file, or a llama.cpp GGUF file (qwen2moe, qwen3moe, deepseek2:
-    config from its metadata, experts as stored in their ggml blocks, the rest dequantized;
-    models/gguf_model.py).
+    ``path``: a checkpoint directory or file, or a llama.cpp GGUF file of an architecture
+    models/gguf_model.py's ARCHITECTURES names (config from its metadata, experts as stored in their
+    ggml blocks, the rest in the engine as stored or dequantized).
     ``method``: the experts' CPU precision: None runs them as stored (any method the engine runs:
     bf16, int8, int4 incl. Kimi-K2's, int4-asym, gptq, mxfp4, fp8, fp8-channel); ``"bf16"``,
     ``"int8"``, ``"int4"`` (or another engine method) convert layer by layer while loading
