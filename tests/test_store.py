@@ -218,9 +218,9 @@ def _resident_bytes(path: Path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
 def test_populate_maps_what_the_engine_reads(store: Path, tmp_path: Path) -> None:
-    """A store layer's tensors are views of the one mapping ``populate`` fills: after populating
-    them, the layer file's pages are resident in this process (populate reads no data itself, so
-    a read afterwards would show nothing if the two mappings differed)."""
+    """Populating a layer's tensors makes the layer file's pages resident in this process, and the
+    tensors the engine gets are the same bytes of that one mapping, not a second open of the file
+    (whose pages populate would not have touched)."""
     copy = _copy(store, tmp_path)
     source = open_source(copy)
     assert isinstance(source, ExpertStore)
