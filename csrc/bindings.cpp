@@ -354,12 +354,11 @@ PYBIND11_MODULE(_C, m) {
           for (uintptr_t p : scale_parts)
             if (!p) throw py::value_error("quantize_weights: null scales");
         }
-        const bool blocks256 = kind == "q4_k" || kind == "q5_k" || kind == "q6_k" || kind == "iq4_xs";
-        const bool blocks32 = kind == "mxfp4" || kind == "q4_0" || kind == "q8_0" || kind == "iq4_nl";
-        if (blocks256 && k % 256) throw py::value_error("quantize_weights: K must be a multiple of 256");
+        const int64_t block = kind == "mxfp4" ? 32 : gguf_block_elements(kind.c_str());
+        if (block && k % block)
+          throw py::value_error("quantize_weights: K must be a multiple of " + std::to_string(block));
         if (kind == "int4" && (group <= 0 || group % 8 || k % group))
           throw py::value_error("quantize_weights: int4 group must be a positive multiple of 8 dividing K");
-        if (blocks32 && k % 32) throw py::value_error("quantize_weights: K must be a multiple of 32");
         if (!out0 || ((kind == "int4" || kind == "int8" || kind == "fp8-channel" || kind == "mxfp4") && !out1) ||
             (kind == "int4" && asym && !out2))
           throw py::value_error("quantize_weights: missing output");
@@ -395,6 +394,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group") = 0, py::arg("asym") = false, py::arg("min_zero") = 0, py::arg("f16_scales") = false, py::arg("out0") = 0,
       py::arg("out1") = 0, py::arg("out2") = 0, py::arg("scale_parts") = std::vector<uintptr_t>(),
       py::arg("scale_block_rows") = 1, py::arg("scale_block_cols") = 1, py::arg("scale_row_stride") = 0);
+  m.def("quantize_gguf_kinds", &gguf_quantize_kinds,
+        "The GGUF block types quantize_weights writes, lower-case ggml names (csrc/quantize.cpp's table).");
   m.def(
       "attn_prefill",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int kv_dtype, int64_t batch, int64_t heads, int64_t kv_heads,

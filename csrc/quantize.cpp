@@ -104,30 +104,50 @@ QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* sca
   });
 }
 
+namespace {
+
+using GGUFRowKernel = void (*QuantRowKernels::*)(const float*, int64_t, uint8_t*);
+struct GGUFKind {
+  const char* name;
+  int64_t block_elements, block_bytes;
+  GGUFRowKernel kernel;
+};
+constexpr GGUFKind kGGUFKinds[] = {  // the blocks' sizes as method_traits.h checks them against ggml's
+    {"q4_0", 32, sizeof(BlockQ4_0), &QuantRowKernels::q4_0},
+    {"q8_0", 32, sizeof(BlockQ8_0), &QuantRowKernels::q8_0},
+    {"q4_k", 256, sizeof(BlockQ4K), &QuantRowKernels::q4_k},
+    {"q5_k", 256, sizeof(BlockQ5K), &QuantRowKernels::q5_k},
+    {"q6_k", 256, sizeof(BlockQ6K), &QuantRowKernels::q6_k},
+    {"iq4_nl", 32, sizeof(BlockIQ4NL), &QuantRowKernels::iq4_nl},
+    {"iq4_xs", 256, sizeof(BlockIQ4XS), &QuantRowKernels::iq4_xs},
+};
+
+const GGUFKind* find_gguf_kind(const char* kind) {
+  for (const GGUFKind& t : kGGUFKinds)
+    if (std::strcmp(t.name, kind) == 0) return &t;
+  return nullptr;
+}
+
+}  // namespace
+
+std::vector<std::string> gguf_quantize_kinds() {
+  std::vector<std::string> out;
+  for (const GGUFKind& t : kGGUFKinds) out.emplace_back(t.name);
+  return out;
+}
+
+int64_t gguf_block_elements(const char* kind) {
+  const GGUFKind* t = find_gguf_kind(kind);
+  return t ? t->block_elements : 0;
+}
+
 QuantResult quantize_gguf(const QuantSource& src, const char* kind, uint8_t* out) {
-  using RowKernel = void (*QuantRowKernels::*)(const float*, int64_t, uint8_t*);
-  struct GGUFKind {
-    const char* name;
-    int64_t block_elements, block_bytes;
-    RowKernel kernel;
-  };
-  static constexpr GGUFKind kKinds[] = {  // the blocks' sizes as method_traits.h checks them against ggml's
-      {"q4_0", 32, sizeof(BlockQ4_0), &QuantRowKernels::q4_0},
-      {"q8_0", 32, sizeof(BlockQ8_0), &QuantRowKernels::q8_0},
-      {"q4_k", 256, sizeof(BlockQ4K), &QuantRowKernels::q4_k},
-      {"q5_k", 256, sizeof(BlockQ5K), &QuantRowKernels::q5_k},
-      {"q6_k", 256, sizeof(BlockQ6K), &QuantRowKernels::q6_k},
-      {"iq4_nl", 32, sizeof(BlockIQ4NL), &QuantRowKernels::iq4_nl},
-      {"iq4_xs", 256, sizeof(BlockIQ4XS), &QuantRowKernels::iq4_xs},
-  };
-  for (const GGUFKind& t : kKinds) {
-    if (std::strcmp(t.name, kind) != 0) continue;
-    const int64_t k = src.k, row_bytes = k / t.block_elements * t.block_bytes;
-    const QuantRowKernels* kr = kernels_for(src);
-    const RowKernel kernel = t.kernel;
-    return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { (kr->*kernel)(w, k, out + r * row_bytes); });
-  }
-  return {-1, -1};
+  const GGUFKind* t = find_gguf_kind(kind);
+  if (!t) return {-1, -1};
+  const int64_t k = src.k, row_bytes = k / t->block_elements * t->block_bytes;
+  const QuantRowKernels* kr = kernels_for(src);
+  const GGUFRowKernel kernel = t->kernel;
+  return for_rows(src, {{out, row_bytes}}, [&](const float* w, int64_t r) { (kr->*kernel)(w, k, out + r * row_bytes); });
 }
 
 }  // namespace hetmoe

@@ -8,6 +8,7 @@
 // QuantSource::avx512 asks for it); callers check cpu_features() first.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "quantize_rows.h"
@@ -52,6 +53,9 @@ QuantResult quantize_mxfp4(const QuantSource& src, uint8_t* blocks, uint8_t* sca
 // encode_iq4_*): rows of blocks, `kind` one of q4_0, q8_0, q4_k, q5_k, q6_k, iq4_nl, iq4_xs; k a
 // multiple of the type's block (32, or 256 for the K-quants and IQ4_XS). Unknown kind: nonfinite -1.
 QuantResult quantize_gguf(const QuantSource& src, const char* kind, uint8_t* out);
+// The kinds quantize_gguf writes (its one table), and a kind's block of weights (0: not one of them).
+std::vector<std::string> gguf_quantize_kinds();
+int64_t gguf_block_elements(const char* kind);
 
 
 }  // namespace hetmoe

@@ -36,16 +36,21 @@ from .dispatch import EngineUnavailableError, engine_module
 
 _SOURCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FP8_SOURCE = 3  # e4m3fn codes with fp32 block scales (csrc/quantize.h kSrcF8E4M3)
-_GGUF_KINDS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # csrc/quantize.cpp quantize_gguf
 
 
 def engine_quantizes(codec: Codec) -> bool:
     """Whether ``engine_quantize`` runs this codec (on this machine)."""
+    if not _available():
+        return False
     if isinstance(codec, GGUFCodec):
-        known = codec.ggml_type.name in _GGUF_KINDS
-    else:
-        known = isinstance(codec, _Int4Base | GPTQCodec | Int8Codec | FP8ChannelCodec | MXFP4Codec)
-    return known and _available()
+        return codec.ggml_type.name.lower() in _gguf_kinds()
+    return isinstance(codec, _Int4Base | GPTQCodec | Int8Codec | FP8ChannelCodec | MXFP4Codec)
+
+
+@functools.cache
+def _gguf_kinds() -> frozenset[str]:
+    """The GGUF types the engine quantizes to, from its own table (csrc/quantize.cpp)."""
+    return frozenset(engine_module().quantize_gguf_kinds())
 
 
 def engine_quantize(
