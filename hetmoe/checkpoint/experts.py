@@ -549,8 +549,8 @@ def convert_experts(
 ) -> LayerExperts:
     """Each projection in ``method`` (parameters not given default to the stored ones of the same method).
 
-    A projection already stored that way is passed through untouched, one stored in another layout
-    of the same precision is repacked (``Codec.repacked``), any other is re-quantized: a
+    A projection already stored that way is passed through untouched and one stored in another layout
+    of the same precision is repacked (``Codec.repacked``); any other is re-quantized: a
     bf16 or fp8 one straight from its tensors by ``quantize`` where it takes the target, else dequantized in
     chunks of experts, so the float32 detour is bounded by ``CONVERT_CHUNK_BYTES``.
     """
@@ -559,12 +559,9 @@ def convert_experts(
         source = codec_of(q)
         wanted = {**q.params, **params} if method == q.method else dict(params)
         target = get_codec(method, **wanted)
-        if type(target) is type(source) and target.params == source.params:
-            out[proj] = q
-        elif (moved := source.repacked(q, target)) is not None:
-            out[proj] = moved  # the same values in another layout: lossless, and nothing to compute
-        else:
-            out[proj] = _requantize(q, source, target, f"layer {experts.layer} {proj}", quantize)
+        moved = source.repacked(q, target)  # the same values, as stored or laid out anew: lossless
+        name = f"layer {experts.layer} {proj}"
+        out[proj] = moved if moved is not None else _requantize(q, source, target, name, quantize)
     return LayerExperts(
         experts.layer, out["gate"], out["up"], out["down"], experts.gate_bias, experts.up_bias, experts.down_bias
     )

@@ -189,7 +189,7 @@ class SafetensorsFile:
             return
         info, start = entry
         self._mapped()
-        if self._map is None or not hasattr(self._map, "madvise"):
+        if not hasattr(self._map, "madvise"):
             return
         first = start // mmap.PAGESIZE * mmap.PAGESIZE
         with contextlib.suppress(OSError, ValueError):  # EINVAL: a kernel without it

@@ -143,10 +143,10 @@ class Codec(ABC):
         return {}
 
     def repacked(self, q: QuantizedTensor, target: Codec) -> QuantizedTensor | None:
-        """``q`` (this codec's) as ``target`` stores it, where the two hold the same values in different
-        tensors (only a layout differs): the codes and scales moved, nothing re-quantized. None where
-        ``target`` is another precision."""
-        return None
+        """``q`` (this codec's) as ``target`` stores it, where the two hold the same values: ``q`` itself
+        for this very codec and parameters; a codec whose layouts differ only in how the same codes and
+        scales are laid out moves them (nothing re-quantized). None where ``target`` is another precision."""
+        return q if type(target) is type(self) and target.params == self.params else None
 
     def label(self) -> str:
         """Human-readable name with parameters, e.g. ``int4 g32``."""

@@ -97,6 +97,8 @@ class _Int4Base(Codec):
         """Between the two layouts (Kimi-K2's compressed-tensors and the store's bytes) of one group
         size: the same codes, scales and zero points. An int32 word holding value i at bits 4i is, read
         as little-endian bytes, the bytes layout's two codes a byte, low nibble first."""
+        if (same := super().repacked(q, target)) is not None:
+            return same
         if type(target) is not type(self) or not isinstance(target, _Int4Base) or target.group_size != self.group_size:
             return None
         nibbles = q.tensors[".weight"] if self.layout == "bytes" else q.tensors[".weight_packed"].view(torch.uint8)
