@@ -126,6 +126,25 @@ def test_shape_errors_match_the_codec() -> None:
         assert str(got.value) == str(ref.value)
 
 
+def test_the_engines_gguf_table_is_what_python_offers_and_checks_k() -> None:
+    """The GGUF kinds engine_quantizes admits are the C++ table's, each CASES row is one of them, and
+    the binding refuses a K that is no whole number of the kind's blocks (its own check, past Python's)."""
+    from hetmoe.kernels.dispatch import engine_module
+
+    engine = engine_module()
+    kinds = set(engine.quantize_gguf_kinds())
+    assert kinds == {m.removeprefix("gguf:") for m, _, _ in CASES if m.startswith("gguf:")}
+    assert all(engine_quantizes(get_codec(f"gguf:{k}")) for k in kinds)
+    assert not engine_quantizes(get_codec("gguf:q2_k"))
+    w = torch.zeros(2, 32, dtype=torch.float32)
+    out = torch.zeros(2 * 144, dtype=torch.uint8)
+    for kind, block in (("q4_k", 256), ("iq4_xs", 256)):
+        with pytest.raises(ValueError, match=f"K must be a multiple of {block}"):
+            engine.quantize_weights(kind, [w.data_ptr()], 2, 32, 32, 0, out0=out.data_ptr())
+    with pytest.raises(ValueError, match="unknown kind q2_k"):
+        engine.quantize_weights("q2_k", [w.data_ptr()], 2, 32, 32, 0, out0=out.data_ptr())
+
+
 def test_nonfinite_names_the_expert() -> None:
     w = torch.randn(5, 16, 64, generator=GEN).to(torch.bfloat16)
     w[3, 7, 9] = float("nan")
