@@ -21,6 +21,7 @@ SOURCES = [
     "measure.cpp",
     "norms.cpp",
     "decode_step.cpp",
+    "mla_step.cpp",
     "numa.cpp",
     "numa_split.cpp",
     "quantize.cpp",

@@ -81,6 +81,28 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 8,
         },
     ),
+    "deepseek_v3": (
+        "DeepSeek-V2-Lite's layers with q_lora 1536, the V3 architecture",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+            "rope_interleave": True,
+            "first_k_dense_replace": 1,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 16,
+            "n_shared_experts": 2,
+            "num_experts_per_tok": 6,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
     "gpt_oss": (
         "gpt-oss-20b",
         {

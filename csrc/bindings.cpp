@@ -17,6 +17,7 @@
 #include "linear_engine.h"
 #include "measure.h"
 #include "method_traits.h"
+#include "mla_step.h"
 #include "moe_engine.h"
 #include "norms.h"
 #include "numa.h"
@@ -676,6 +677,92 @@ PYBIND11_MODULE(_C, m) {
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"),
           py::arg("k_row_stride"), py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"),
           py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"), py::arg("first") = 0);
+
+  py::class_<DecodeMLABlock>(m, "DecodeMLABlock")
+      .def(py::init([](int64_t hidden, int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t v_dim,
+                       int64_t q_rank, const py::tuple& norms, int rope_mode, float scale, LinearEngine* q_in,
+                       LinearEngine* kv_a, LinearEngine* q_b, const py::tuple& w_uk_t, const py::tuple& w_uv,
+                       LinearEngine* o_proj) {
+             // A latent-attention layer's attention half for one token, bf16 (mla_step.h); norms: four
+             // (weight pointer, eps, mode) for the input, q_a (0, 0, 0 without q_rank), kv_a and
+             // post-attention norms; w_uk_t, w_uv: (pointer, bytes between heads, bytes between rows)
+             // of bf16 blocks. Everything stays owned by Python (hetmoe/models/mla_decode.py).
+             if (!g_selected) throw py::value_error("select_isa() must be called first");
+             if (hidden <= 0 || heads <= 0 || nope <= 0 || nope % 16 || rank <= 0 || rank % 16 || rope <= 0 ||
+                 rope % 16 || v_dim <= 0 || q_rank < 0 || norms.size() != 4)
+               throw py::value_error("DecodeMLABlock: bad shape (nope, rank and rope must be multiples of 16)");
+             if (rope_mode < kMLARopeInterleaved || rope_mode > kMLARopeComplex)
+               throw py::value_error("DecodeMLABlock: rope_mode must be 0 (interleaved), 1 (half) or 2 (complex)");
+             const int64_t q_cols = heads * (nope + rope), dk = rank + rope;
+             const int64_t q_in_rows = q_rank ? q_rank : q_cols;
+             if (!q_in || q_in->cols() != hidden || q_in->rows() != q_in_rows + (kv_a ? 0 : dk))
+               throw py::value_error("DecodeMLABlock: q_in must map hidden to q_rank or heads * (nope + rope), then "
+                                     "rank + rope rows where kv_a is not given");
+             if (kv_a && (kv_a->cols() != hidden || kv_a->rows() != dk))
+               throw py::value_error("DecodeMLABlock: kv_a must map hidden to rank + rope");
+             if (!q_rank != !q_b || (q_b && (q_b->cols() != q_rank || q_b->rows() != q_cols)))
+               throw py::value_error("DecodeMLABlock: q_b (exactly with q_rank) must map q_rank to heads * (nope + rope)");
+             if (!o_proj || o_proj->cols() != heads * v_dim || o_proj->rows() != hidden)
+               throw py::value_error("DecodeMLABlock: o_proj must map heads * v_dim to hidden");
+             NormSpec spec[4];
+             for (int i = 0; i < 4; ++i) {
+               const py::tuple n = norms[i].cast<py::tuple>();
+               spec[i] = {reinterpret_cast<const void*>(n[0].cast<uintptr_t>()), n[1].cast<float>(), n[2].cast<int>()};
+               const bool used = i != 1 || q_rank;
+               if (used && (!spec[i].weight || spec[i].mode < kNormCastThenScale || spec[i].mode > kNormOffsetScale))
+                 throw py::value_error("DecodeMLABlock: norm " + std::to_string(i) + " needs a weight and a mode");
+             }
+             if (w_uk_t.size() != 3 || w_uv.size() != 3 || !w_uk_t[0].cast<uintptr_t>() || !w_uv[0].cast<uintptr_t>())
+               throw py::value_error("DecodeMLABlock: w_uk_t and w_uv are (pointer, head bytes, row bytes)");
+             return new DecodeMLABlock{g_selected,
+                                       hidden,
+                                       heads,
+                                       nope,
+                                       rope,
+                                       rank,
+                                       v_dim,
+                                       q_rank,
+                                       spec[0],
+                                       spec[1],
+                                       spec[2],
+                                       spec[3],
+                                       rope_mode,
+                                       scale,
+                                       q_in,
+                                       kv_a,
+                                       q_b,
+                                       reinterpret_cast<const uint8_t*>(w_uk_t[0].cast<uintptr_t>()),
+                                       w_uk_t[1].cast<int64_t>(),
+                                       w_uk_t[2].cast<int64_t>(),
+                                       reinterpret_cast<const uint8_t*>(w_uv[0].cast<uintptr_t>()),
+                                       w_uv[1].cast<int64_t>(),
+                                       w_uv[2].cast<int64_t>(),
+                                       o_proj};
+           }),
+           py::arg("hidden"), py::arg("heads"), py::arg("nope"), py::arg("rope"), py::arg("rank"), py::arg("v_dim"),
+           py::arg("q_rank"), py::arg("norms"), py::arg("rope_mode"), py::arg("scale"), py::arg("q_in"),
+           py::arg("kv_a").none(true), py::arg("q_b").none(true), py::arg("w_uk_t"), py::arg("w_uv"),
+           py::arg("o_proj"), py::keep_alive<1, 12>(), py::keep_alive<1, 13>(), py::keep_alive<1, 14>(),
+           py::keep_alive<1, 17>())
+      .def(
+          "run",
+          [](const DecodeMLABlock& b, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t cache, int64_t row_stride,
+             int64_t position, int64_t capacity, uintptr_t x_out, uintptr_t h_out) {
+            if (position < 0 || position >= capacity)
+              throw py::value_error("DecodeMLABlock.run: position " + std::to_string(position) +
+                                    " is outside the cache's " + std::to_string(capacity) + " rows");
+            if (row_stride < b.rank + b.rope)
+              throw py::value_error("DecodeMLABlock.run: cache rows of " + std::to_string(row_stride) +
+                                    " elements are narrower than rank + rope");
+            if (!x || !cos || (!sin && b.rope_mode != kMLARopeComplex) || !cache || !x_out || !h_out)
+              throw py::value_error("DecodeMLABlock.run: a null buffer");
+            py::gil_scoped_release release;
+            b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
+                  reinterpret_cast<const void*>(sin), reinterpret_cast<uint8_t*>(cache), row_stride, position,
+                  reinterpret_cast<void*>(x_out), reinterpret_cast<void*>(h_out));
+          },
+          py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("cache"), py::arg("row_stride"), py::arg("position"),
+          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"));
 
   py::class_<LinearEngine>(m, "LinearEngine")
       .def(py::init([](const py::tuple& weight, uintptr_t bias, int gemv_max_tokens) {

@@ -122,13 +122,29 @@ void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, in
     std::memcpy(out, of.data(), of.size() * sizeof(float));
 }
 
-namespace {
-
-void linear(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtype) {
+void linear_row(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtype) {
   e->wait(e->submit(x, x_dtype, 1, y, y_dtype));
 }
 
-}  // namespace
+void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int dtype, int64_t hidden,
+                        const NormSpec& post_norm, void* x_out, void* h_out) {
+  // The residual add as torch adds two tensors of the dtype: in fp32, rounded once.
+  if (dtype == kBF16Data) {
+    thread_local std::vector<float> a, b;
+    a.resize(hidden);
+    b.resize(hidden);
+    kt->bf16_to_f32(static_cast<const uint16_t*>(x), a.data(), int(hidden));
+    kt->bf16_to_f32(static_cast<const uint16_t*>(o), b.data(), int(hidden));
+    for (int64_t i = 0; i < hidden; ++i) a[i] += b[i];
+    kt->f32_to_bf16(a.data(), static_cast<uint16_t*>(x_out), int(hidden));
+  } else {
+    const float* xf = static_cast<const float*>(x);
+    const float* of = static_cast<const float*>(o);
+    float* out = static_cast<float*>(x_out);
+    for (int64_t i = 0; i < hidden; ++i) out[i] = xf[i] + of[i];
+  }
+  rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
+}
 
 void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out,
                                void* h_out, void* logits) const {
@@ -148,37 +164,24 @@ void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, 
     k_proj->wait(k);
     v_proj->wait(v);
   } else {
-    linear(qkv, h.data(), dtype, qkv_row.data(), dtype);
+    linear_row(qkv, h.data(), dtype, qkv_row.data(), dtype);
   }
   decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, qk_norm, q_norm, k_norm, rotary_dim, cos,
                         sin, kv, sinks, scale, attn.data());
-  linear(o_proj, attn.data(), dtype, o.data(), dtype);
-  // The residual add as torch adds two tensors of the dtype: in fp32, rounded once.
-  thread_local std::vector<float> a, b;
-  a.resize(hidden);
-  b.resize(hidden);
-  if (dtype == kBF16Data) {
-    kt->bf16_to_f32(static_cast<const uint16_t*>(x), a.data(), int(hidden));
-    kt->bf16_to_f32(reinterpret_cast<const uint16_t*>(o.data()), b.data(), int(hidden));
-    for (int64_t i = 0; i < hidden; ++i) a[i] += b[i];
-    kt->f32_to_bf16(a.data(), static_cast<uint16_t*>(x_out), int(hidden));
-  } else {
-    const float* xf = static_cast<const float*>(x);
-    const float* of = reinterpret_cast<const float*>(o.data());
-    float* out = static_cast<float*>(x_out);
-    for (int64_t i = 0; i < hidden; ++i) out[i] = xf[i] + of[i];
-  }
-  rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
+  linear_row(o_proj, attn.data(), dtype, o.data(), dtype);
+  residual_post_norm(kt, x, o.data(), dtype, hidden, post_norm, x_out, h_out);
   if (!router) return;
   // The router takes an fp32 copy of h and rounds its fp32 logits to the dtype.
+  thread_local std::vector<float> a;
   if (dtype == kBF16Data) {
+    a.resize(hidden);
     kt->bf16_to_f32(static_cast<const uint16_t*>(h_out), a.data(), int(hidden));
     thread_local std::vector<float> lf;
     lf.resize(router->rows());
-    linear(router, a.data(), kF32, lf.data(), kF32);
+    linear_row(router, a.data(), kF32, lf.data(), kF32);
     kt->f32_to_bf16(lf.data(), static_cast<uint16_t*>(logits), router->rows());
   } else {
-    linear(router, h_out, kF32, logits, kF32);
+    linear_row(router, h_out, kF32, logits, kF32);
   }
 }
 

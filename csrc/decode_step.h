@@ -60,6 +60,14 @@ void decode_attention_step(const KernelTable* kt, const void* qkv, int dtype, in
                            int64_t rotary_dim, const void* cos, const void* sin, const KVRows& kv,
                            const float* sinks, float scale, void* out);
 
+// y = e(x) for one row, waited on (x and y in kF32 or kBF16Data).
+void linear_row(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtype);
+
+// x_out = x + o as torch adds two tensors of the dtype (in fp32, rounded once), h_out = post_norm(x_out);
+// all [hidden] in `dtype`. The tail of every one-call decode step (this file's and mla_step.h's).
+void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int dtype, int64_t hidden,
+                        const NormSpec& post_norm, void* x_out, void* h_out);
+
 // A decoder layer's attention half for one token (shapes checked by the Python side once, when it
 // makes the block, and the per-step pointers by hetmoe/models/fast_decode.py).
 struct DecodeAttentionBlock {

@@ -40,12 +40,13 @@ from ..kernels.dispatch import engine_module
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from ..runtime.hybrid import HybridMoE
-from .adapters.base import MoEAdapter
+from .adapters.base import MLAAdapter, MoEAdapter
 from .adapters.routing import engine_linear
 from .cpu_attention import ATTENTION_NAMES, attention_forward
-from .fused_norms import _DTYPES, norm_rows
+from .fused_norms import _DTYPES, norm_rows, norm_spec
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
+from .mla_decode import mla_layer_eligible, mla_parts, one_token_mla
 
 QK_NORMS = {"none": 0, "head": 1, "projection": 2}  # csrc/decode_step.h QKNorm
 
@@ -100,7 +101,9 @@ def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
         if type(layer).__name__ != adapter.decode_layer:
             continue
         layers.append(layer)
-        if _eligible_layer(layer, qk_norm, adapter.decode_sinks):
+        mla = isinstance(adapter, MLAAdapter)
+        if mla_layer_eligible(layer) if mla else _eligible_layer(layer, qk_norm, adapter.decode_sinks):
+            layer._hetmoe_mla = adapter if mla else None  # latent attention: models/mla_decode.py
             layer._hetmoe_qk_norm = qk_norm
             layer._hetmoe_half_tables = adapter.decode_rotary_tables == "half"
             layer._hetmoe_router_scores = adapter.returns_router_scores
@@ -300,6 +303,9 @@ def _parts_unhooked(layer: nn.Module) -> bool:
     Children are read from ``_modules`` itself: ``nn.Module.__getattr__`` cost ~0.6 us an attribute,
     and a decode step reads dozens."""
     try:
+        if layer.__dict__["_hetmoe_mla"] is not None:
+            parts = mla_parts(layer)
+            return not any(p._forward_hooks or p._forward_pre_hooks for p in parts)
         children = layer._modules
         attn = children["self_attn"]
         separate = _separate_qkv(attn)
@@ -446,8 +452,8 @@ def _make_attention_block(
             return None
         sinks = sinks.detach().float().contiguous()  # what the kernel reads: kept with the block
     absent = (0, 0.0, 0)
-    qk = (absent, absent) if qk_norm == "none" else (_norm_spec(attn.q_norm), _norm_spec(attn.k_norm))
-    norms = (_norm_spec(layer.input_layernorm), *qk, _norm_spec(layer.post_attention_layernorm))
+    qk = (absent, absent) if qk_norm == "none" else (norm_spec(attn.q_norm), norm_spec(attn.k_norm))
+    norms = (norm_spec(layer.input_layernorm), *qk, norm_spec(layer.post_attention_layernorm))
     block = engine_module().DecodeAttentionBlock(
         _DTYPES[dtype],
         hidden,
@@ -466,11 +472,6 @@ def _make_attention_block(
         v_proj=linears[2],
     )
     return block, router, kv, sinks
-
-
-def _norm_spec(norm: nn.Module) -> tuple[int, float, int]:
-    """What the engine reads of a fused norm: its weight's address, epsilon and rounding mode."""
-    return norm.weight.data_ptr(), norm._hetmoe_eps, norm._hetmoe_mode
 
 
 def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:
@@ -535,6 +536,9 @@ def _one_token(layer: nn.Module, x: torch.Tensor, cache: Any, position_embedding
     """transformers' decoder layer + attention forward for one token, the same ops in the same order,
     called directly: the engine block, else (Qwen3-MoE) the same steps one call each; None where
     neither applies (the caller runs transformers' forward)."""
+    mla = layer.__dict__["_hetmoe_mla"]
+    if mla is not None:
+        return one_token_mla(layer, mla, x, cache, position_embeddings)
     out = _one_token_block(layer, x, cache, position_embeddings)
     if out is not None or not layer.__dict__["_hetmoe_steps"]:
         return out

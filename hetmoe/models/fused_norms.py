@@ -72,6 +72,12 @@ def norm_rows(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def norm_spec(norm: nn.Module) -> tuple[int, float, int]:
+    """What the engine's one-call decode steps read of a fused norm: its weight's address, epsilon and
+    rounding mode (csrc/decode_step.h: NormSpec)."""
+    return norm.weight.data_ptr(), norm._hetmoe_eps, norm._hetmoe_mode
+
+
 def fuse_rms_norms(model: nn.Module) -> int:
     """Give every norm module of a known family the fused CPU forward; returns how many."""
     count = 0

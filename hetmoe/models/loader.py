@@ -223,8 +223,8 @@ def load_model(
         use_cpu_attention(model)  # torch's CPU SDPA is slow for one-token queries (cpu_attention.py)
         fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
         fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
-        install_fast_decode(model, adapter)  # one-token decoder layers without transformers' glue (fast_decode.py)
         install_mla(model, adapter)  # latent attention in the absorbed form (mla_attention.py)
+        install_fast_decode(model, adapter)  # one-token decoder layers without transformers' glue (fast_decode.py)
     load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(

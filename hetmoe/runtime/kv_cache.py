@@ -80,10 +80,13 @@ class GrowingLayer(DynamicLayer):
         self._vbuf[..., self._len : need, :].copy_(value_states)
         return self.commit(n)
 
-    def free_row(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+    def free_row(
+        self, heads: int, dim: int, dtype: torch.dtype, value_dim: int | None = None
+    ) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
         """``(row, key buffer, value buffer, first)`` when one sequence's next key/value row can be written
         into the buffers in place at ``row`` (they exist, hold what ``keys``/``values`` show, have room,
-        and are ``[1, heads, capacity, dim]`` of ``dtype``, contiguous as ``_grow`` makes them), the new
+        and are ``[1, heads, capacity, dim]`` of ``dtype``, contiguous as ``_grow`` makes them; values
+        ``value_dim`` wide where given: 0 for MLA's latent rows, models/mla_attention.py), the new
         token attending over rows ``first .. row``; None otherwise (``update`` then does it). ``commit``
         makes the written row visible."""
         kbuf, vbuf = self._kbuf, self._vbuf
@@ -91,7 +94,7 @@ class GrowingLayer(DynamicLayer):
             return None
         if self.keys is not getattr(self, "_kview", None) or self.values is not getattr(self, "_vview", None):
             return None
-        if not _buffers_fit(kbuf, vbuf, heads, dim, dtype):
+        if not _buffers_fit(kbuf, vbuf, heads, dim, dtype, dim if value_dim is None else value_dim):
             return None
         return self._len, kbuf, vbuf, 0
 
@@ -109,10 +112,12 @@ class GrowingLayer(DynamicLayer):
         self._len = 0
 
 
-def _buffers_fit(kbuf: torch.Tensor, vbuf: torch.Tensor, heads: int, dim: int, dtype: torch.dtype) -> bool:
+def _buffers_fit(
+    kbuf: torch.Tensor, vbuf: torch.Tensor, heads: int, dim: int, dtype: torch.dtype, value_dim: int
+) -> bool:
     return all(
-        buf.dim() == 4 and buf.shape[:2] == (1, heads) and buf.shape[-1] == dim and buf.dtype == dtype
-        for buf in (kbuf, vbuf)
+        buf.dim() == 4 and buf.shape[:2] == (1, heads) and buf.shape[-1] == width and buf.dtype == dtype
+        for buf, width in ((kbuf, dim), (vbuf, value_dim))
     )
 
 
@@ -154,7 +159,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             self._show()
         kbuf, vbuf = self._kbuf, self._vbuf
         assert kbuf is not None and vbuf is not None
-        if not _buffers_fit(kbuf, vbuf, heads, dim, dtype):
+        if not _buffers_fit(kbuf, vbuf, heads, dim, dtype, dim):
             return None
         if self._len >= kbuf.shape[-2]:  # full: the window's rows back to the front
             n = self._len - self._start

@@ -141,3 +141,9 @@ class MLAAdapter(MoEAdapter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding of the query's ``[B, H, T, rope]`` and the shared key's ``[B, 1, T,
         rope]`` rotary parts, exactly as the architecture's attention forward applies it."""
+
+    @abstractmethod
+    def mla_rope_mode(self, attn: nn.Module) -> str:
+        """The same rotation as the one-call decode step names it (csrc/mla_step.h, MLARope):
+        "interleaved" (pairs rotated by cos/sin tables, written de-interleaved), "half" (rotate_half
+        over the rope part) or "complex" (pairs times complex factors, ``freqs_cis``)."""

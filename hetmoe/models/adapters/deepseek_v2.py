@@ -18,6 +18,8 @@ from .routing import router_logits, softmax_group_limited_topk
 class DeepseekV2Adapter(MLAAdapter):
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe", "DeepseekV2MoE")
+    decode_layer = "DeepseekV2DecoderLayer"
+    decode_causal_lm = ("DeepseekV2ForCausalLM", "CausalLMOutputWithPast")
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -43,3 +45,6 @@ class DeepseekV2Adapter(MLAAdapter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         modeling = sys.modules[type(attn).__module__]
         return modeling.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))
+
+    def mla_rope_mode(self, attn: nn.Module) -> str:
+        return "complex"

@@ -37,6 +37,8 @@ class DeepseekV3Adapter(MLAAdapter):
     model_types = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
     block_classes = ("DeepseekV3MoE",)
     transformers_model_type = "deepseek_v3"
+    decode_layer = "DeepseekV3DecoderLayer"
+    decode_causal_lm = ("DeepseekV3ForCausalLM", "CausalLMOutputWithPast")
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_sigmoid_route(self, block, x)
@@ -52,3 +54,6 @@ class DeepseekV3Adapter(MLAAdapter):
         if attn.config.rope_interleave:
             return modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
         return modeling.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+
+    def mla_rope_mode(self, attn: nn.Module) -> str:
+        return "interleaved" if attn.config.rope_interleave else "half"

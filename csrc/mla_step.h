@@ -1,0 +1,52 @@
+// One token of one sequence through a latent-attention (MLA: DeepSeek-V2/V3/R1, Kimi-K2) decoder
+// layer's attention half, in C++: the same kernels in the same order as the absorbed forward of
+// hetmoe/models/mla_attention.py for one token, so the same values, in one call instead of ~25
+// Python-level ones. RMSNorm -> q (q_a -> q_a_norm -> q_b, or q_proj) and the compressed kv (kv_a)
+// -> kv_a_norm on the latent, rotary on the query's and key's rope parts -> the latent row appended
+// to the cache -> q_lat = W_UK^T q_nope per head -> one shared KV head over the cached rows ->
+// W_UV per head -> o_proj -> residual add -> post-attention RMSNorm. bf16 only: the per-head
+// products run in the engine's bf16 GEMV, and a CPU load runs MLA models in bf16.
+#pragma once
+#include <cstdint>
+
+#include "decode_step.h"
+
+namespace hetmoe {
+
+// How the architecture rotates the rope parts (models/adapters/deepseek_v{2,3}.py: mla_rotary):
+enum MLARope : int {
+  kMLARopeInterleaved = 0,  // DeepSeek-V3 with rope_interleave: pairs (x0, x1), (x2, x3), ... each rotated by
+                            // one frequency, written de-interleaved (the first of each pair, then the
+                            // second); cos/sin in bf16 [rope], each frequency twice (rotate_half's tables)
+  kMLARopeHalf = 1,         // DeepSeek-V3 without it: rotate_half over the rope part, the same tables
+  kMLARopeComplex = 2,      // DeepSeek-V2: pairs times complex fp32 factors (cos: [rope / 2] (re, im)
+                            // pairs), in fp32 and rounded once, written interleaved as they came
+};
+
+struct DecodeMLABlock {
+  const KernelTable* kt;
+  int64_t hidden, heads, nope, rope, rank, v_dim;
+  int64_t q_rank;  // q_lora_rank, or 0 where the query comes straight from q_proj (DeepSeek-V2-Lite)
+  NormSpec input_norm, q_a_norm, kv_a_norm, post_norm;  // q_a_norm unused without q_rank
+  int rope_mode;                                        // MLARope
+  float scale;
+  LinearEngine* q_in;  // hidden -> q_rank (q_a) or heads * (nope + rope) (q_proj); followed by the
+                       // rank + rope rows of kv_a where kv_a is nullptr (the two fused)
+  LinearEngine* kv_a;  // hidden -> rank + rope, or nullptr
+  LinearEngine* q_b;   // q_rank -> heads * (nope + rope), or nullptr without q_rank
+  // bf16 blocks read in place (owned by Python): W_UK^T [heads, rank, nope] and W_UV [heads, v_dim, rank],
+  // bytes between heads and between rows
+  const uint8_t* w_uk_t;
+  int64_t uk_head, uk_row;
+  const uint8_t* w_uv;
+  int64_t uv_head, uv_row;
+  LinearEngine* o_proj;  // heads * v_dim -> hidden
+
+  // x [hidden] bf16 -> x_out = x + o_proj(attention), h_out = post_norm(x_out). The cache is
+  // [capacity, rank + rope] bf16 rows `row_stride` elements apart; this token's row goes to
+  // `position` and the query attends over rows 0 .. position.
+  void run(const void* x, const void* cos, const void* sin, uint8_t* cache, int64_t row_stride, int64_t position,
+           void* x_out, void* h_out) const;
+};
+
+}  // namespace hetmoe

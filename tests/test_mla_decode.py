@@ -1,0 +1,164 @@
+"""The one-call decode step for latent attention (models/mla_decode.py, csrc/mla_step.h) against the
+absorbed forward it stands in for (models/mla_attention.py inside transformers' decoder layers),
+which tests/test_mla_attention.py holds against transformers' own attention at 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmoe.runtime.kv_cache import growing_cache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Widths the engine's kernels take (nope, rank and rope multiples of 16); q_lora or not, each
+# architecture's rotation (V3 interleaved pairs or rotate_half, V2 complex factors) and V3's YaRN
+# (mscale in the attention's scaling, the tables scaled).
+_WIDTHS = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16}
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+VARIANTS = {
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-no-q-lora": ("deepseek_v3", {"q_lora_rank": None}),
+    "deepseek_v3-rotate-half": ("deepseek_v3", {"rope_interleave": False}),
+    "deepseek_v3-yarn": ("deepseek_v3", {"rope_parameters": _YARN, "max_position_embeddings": 2560}),
+    "deepseek_v2": ("deepseek_v2", {}),
+    "deepseek_v2-no-q-lora": ("deepseek_v2", {"q_lora_rank": None}),
+}
+
+
+@pytest.fixture(scope="module")
+def mla_models(tmp_path_factory) -> dict:
+    from tiny_models import build_tiny
+
+    root = tmp_path_factory.mktemp("mla")
+    return {name: build_tiny(arch, root / name, **(_WIDTHS | extra)) for name, (arch, extra) in VARIANTS.items()}
+
+
+def _greedy(model, ids: torch.Tensor, steps: int, fast: bool) -> list[torch.Tensor]:
+    """Logits of ``steps`` greedy one-token steps after the prompt; ``fast=False`` with transformers'
+    decoder layer and causal LM forwards (the absorbed attention stays installed)."""
+    layers = list(model.model.layers)
+    saved = [vars(m).get("forward") for m in [model, *layers]]
+    if not fast:
+        for m in [model, *layers]:
+            vars(m).pop("forward", None)
+    try:
+        logits = []
+        with torch.inference_mode():
+            cache = growing_cache(model.config)
+            out = model(ids, cache=cache, use_cache=True)
+            for _ in range(steps):
+                logits.append(out.logits[:, -1].clone())
+                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        return logits
+    finally:
+        for m, forward in zip([model, *layers], saved, strict=True):
+            if forward is not None:
+                m.forward = forward
+
+
+def _spy(monkeypatch) -> list[bool]:
+    """Whether each call of the one-call step ran it (appended per call)."""
+    import hetmoe.models.fast_decode as fast_decode
+
+    taken: list[bool] = []
+    real = fast_decode.one_token_mla
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_decode, "one_token_mla", spy)
+    return taken
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_layer_decodes_in_one_call_bit_identical(mla_models, monkeypatch, variant: str) -> None:
+    """With no flags, every decoder layer of each variant takes the one-call step on every token (the
+    dense first layer too), and 24 greedy steps give logits bit-identical to the absorbed forward
+    through transformers' layers: the same kernels in the same order, so no bound is needed."""
+    from hetmoe import load_model
+
+    model = load_model(mla_models[variant])
+    assert model.dtype == torch.bfloat16
+    layers = model.config.num_hidden_layers
+    taken = _spy(monkeypatch)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    fast = _greedy(model, ids, 24, fast=True)
+    assert len(taken) == 24 * layers and all(taken)
+    monkeypatch.undo()
+    slow = _greedy(model, ids, 24, fast=False)
+    for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert torch.equal(a, b), (variant, step, float((a - b).abs().max()))
+
+
+def test_the_cache_holds_only_latent_rows(mla_models) -> None:
+    """After the prompt and the one-call steps, each layer's cache is the latent rows alone: rank + rope
+    values a token (keys) and zero-wide values, as hetmoe plan states."""
+    from hetmoe import load_model
+
+    model = load_model(mla_models["deepseek_v3"])
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache = growing_cache(model.config)
+        out = model(ids, cache=cache, use_cache=True)
+        for _ in range(3):
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    for layer in cache.layers:
+        assert layer.keys.shape == (1, 1, 8, _WIDTHS["kv_lora_rank"] + _WIDTHS["qk_rope_head_dim"])
+        assert layer.values.shape == (1, 1, 8, 0)
+
+
+def test_fp32_and_other_caches_take_transformers_forward(mla_models, monkeypatch) -> None:
+    """The step is bf16 only: an fp32 load (engine linears in int8, so its layers have what the step
+    reads) runs the absorbed forward through transformers' layers, and so does a cache that does not
+    append in place (transformers' DynamicCache); both still decode."""
+    from transformers import DynamicCache
+
+    from hetmoe import load_model
+
+    model = load_model(mla_models["deepseek_v3"], dtype=torch.float32, dense_method="int8")
+    taken = _spy(monkeypatch)
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        cache = growing_cache(model.config)
+        out = model(ids, cache=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert taken and not any(taken)
+    taken.clear()
+    model = load_model(mla_models["deepseek_v3"])
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(ids, cache=cache, use_cache=True)
+        step = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert taken and not any(taken)
+    assert torch.isfinite(step.logits.float()).all()
+
+
+def test_block_refuses_shapes_it_cannot_run() -> None:
+    """The constructor names what does not fit instead of reading past a buffer."""
+    from hetmoe.kernels.dispatch import engine_module
+
+    m = engine_module()
+    norms = ((1, 1e-6, 0),) * 4
+
+    def make(nope: int, rope_mode: int) -> None:
+        none = (None, None, None)
+        m.DecodeMLABlock(64, 4, nope, 16, 32, 16, 0, norms, rope_mode, 1.0, *none, (1, 0, 0), (1, 0, 0), None)
+
+    with pytest.raises(ValueError, match="multiples of 16"):
+        make(8, 0)
+    with pytest.raises(ValueError, match="rope_mode"):
+        make(16, 3)
+    with pytest.raises(ValueError, match="q_in must map"):
+        make(16, 0)
