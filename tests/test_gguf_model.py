@@ -60,9 +60,10 @@ ARCH = {
     "gpt_oss": "gpt-oss",
     "olmoe": "olmoe",
     "mixtral": "llama",
+    "qwen3_next": "qwen3next",
 }
 # the gguf package's MODEL_ARCH names
-ARCH_ENUM = {"glm4moe": "GLM4_MOE", "minimax-m2": "MINIMAXM2", "gpt-oss": "GPT_OSS"}
+ARCH_ENUM = {"glm4moe": "GLM4_MOE", "minimax-m2": "MINIMAXM2", "gpt-oss": "GPT_OSS", "qwen3next": "QWEN3NEXT"}
 # Per MoE layer (alternating): the ggml types of gate, up and down. gpt-oss files hold MXFP4 experts
 # (what convert_hf_to_gguf writes from the released checkpoints); one Q8_0 projection checks the mix.
 EXPERT_TYPES = [(Q.Q8_0, Q.Q4_0, Q.Q8_0), (Q.Q4_0, Q.Q8_0, Q.Q4_0)]
@@ -160,6 +161,21 @@ def _metadata(config: Any, arch: str, split_kv_b: bool) -> dict[str, Any]:
     meta = _text_model_metadata(c) | {
         "expert_feed_forward_length": c.moe_intermediate_size,
     }
+    if arch == "qwen3next":  # Qwen2MoeModel's keys + Qwen3NextModel's (conversion/qwen.py)
+        return meta | {
+            "expert_count": c.num_experts,
+            "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
+            "attention.key_length": c.head_dim,
+            "attention.value_length": c.head_dim,
+            "ssm.conv_kernel": c.linear_conv_kernel_dim,
+            "ssm.state_size": c.linear_key_head_dim,
+            "ssm.group_count": c.linear_num_key_heads,
+            "ssm.time_step_rank": c.linear_num_value_heads,
+            "ssm.inner_size": c.linear_value_head_dim * c.linear_num_value_heads,
+            "attention.recurrent_layers": [t == "linear_attention" for t in c.layer_types],
+            "full_attention_interval": 4,  # written whatever layer_types says: the flags above win
+            "rope.dimension_count": int(c.head_dim * c.rope_parameters["partial_rotary_factor"]),
+        }
     if arch in ("qwen2moe", "qwen3moe"):
         meta["expert_count"] = c.num_experts
         if getattr(c, "head_dim", None):
@@ -245,6 +261,8 @@ def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, tor
                 out.append((stem + "down_proj.weight", t.transpose(1, 2)))
             else:
                 out.append((stem + "down_proj.bias", t))
+        elif config.model_type == "qwen3_next" and not name.startswith("lm_head") and ".experts." not in name:
+            out += _qwen3next_tensors(config, name, t)
         elif name.endswith("self_attn.sinks"):
             out.append((name + ".weight", t))  # GptOssModel.filter_tensors
         elif config.model_type == "mixtral" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
@@ -267,6 +285,63 @@ def _hf_tensors(model: torch.nn.Module, split_kv_b: bool) -> list[tuple[str, tor
             continue
         else:
             out.append((name, t))
+    return out
+
+
+def _qwen3next_tensors(config: Any, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """conversion/qwen.py's Qwen3NextModel.modify_tensors: ``1 + w`` norms (not the delta-net's gated
+    norm), ``-exp(A_log)``, dt_bias renamed, the conv weight squeezed, and in_proj_qkvz out of its
+    per-key-head groups [q k v z] into attn_qkv (all q, all k, all v) and attn_gate (z). Names that
+    have no transformers module are given as ``gguf:`` + the GGUF name."""
+    if name.endswith(".A_log"):
+        return [("gguf:" + _blk(name) + "ssm_a", -torch.exp(t))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix("dt_bias") + "dt_proj.bias", t)]
+    if "conv1d" in name:
+        return [(name, t.squeeze())]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, t + 1)]
+    if name.endswith("in_proj_qkvz.weight"):
+        c = config
+        dk, dv = c.linear_key_head_dim, c.linear_num_value_heads // c.linear_num_key_heads * c.linear_value_head_dim
+        groups = t.permute(1, 0).reshape(c.hidden_size, c.linear_num_key_heads, 2 * dk + 2 * dv)
+        q, k, v, z = torch.split(groups, [dk, dk, dv, dv], dim=-1)
+        flat = [x.reshape(c.hidden_size, -1) for x in (q, k, v, z)]
+        qkv = torch.cat(flat[:3], dim=-1).permute(1, 0).contiguous()
+        return [("gguf:" + _blk(name) + "attn_qkv.weight", qkv), ("gguf:" + _blk(name) + "attn_gate.weight", flat[3].T)]
+    return [(name, t)]
+
+
+def _blk(name: str) -> str:
+    return f"blk.{name.split('.')[2]}."
+
+
+def _qwen3next_state(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """_qwen3next_tensors undone on what the file holds, as transformers' state dict names it."""
+    out: dict[str, torch.Tensor] = {}
+    c = config
+    for name, t in state.items():
+        if name.startswith("gguf:"):
+            layer = name.split(".")[1]
+            stem = f"model.layers.{layer}.linear_attn."
+            if name.endswith("ssm_a"):
+                out[stem + "A_log"] = torch.log(-t)
+            elif name.endswith("attn_qkv.weight"):
+                dk = c.linear_key_head_dim
+                dv = c.linear_num_value_heads // c.linear_num_key_heads * c.linear_value_head_dim
+                g, h = c.linear_num_key_heads, c.hidden_size
+                z = state[name.replace("attn_qkv", "attn_gate")]
+                q, k, v = t[: g * dk], t[g * dk : 2 * g * dk], t[2 * g * dk :]
+                parts = [q.view(g, dk, h), k.view(g, dk, h), v.view(g, dv, h), z.view(g, dv, h)]
+                out[stem + "in_proj_qkvz.weight"] = torch.cat(parts, dim=1).reshape(-1, h)
+        elif name.endswith("dt_proj.bias"):
+            out[name.removesuffix("dt_proj.bias") + "dt_bias"] = t
+        elif "conv1d" in name:
+            out[name] = t.unsqueeze(1)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            out[name] = t - 1
+        else:
+            out[name] = t
     return out
 
 
@@ -316,7 +391,9 @@ def write_gguf(
         if key in drop_keys:
             continue
         full = f"{arch}.{key}"
-        if isinstance(value, str):
+        if isinstance(value, list):
+            writer.add_array(full, value)
+        elif isinstance(value, str):
             writer.add_string(full, value)
         elif isinstance(value, bool):
             writer.add_bool(full, value)
@@ -330,10 +407,13 @@ def write_gguf(
     moe_index = {layer: i for i, layer in enumerate(moe_layers)}
     state: dict[str, torch.Tensor] = {}
     for hf_name, t in _hf_tensors(model, split_kv_b):
-        module, suffix = hf_name.rsplit(".", 1)
-        mapped = names.get_name(module)
-        assert mapped is not None, f"the gguf package has no llama.cpp name for {module}"
-        gguf_name = f"{mapped}.{suffix}"
+        if hf_name.startswith("gguf:"):
+            gguf_name = hf_name.removeprefix("gguf:")
+        else:
+            module, suffix = hf_name.rsplit(".", 1)
+            mapped = names.get_name(module)
+            assert mapped is not None, f"the gguf package has no llama.cpp name for {module}"
+            gguf_name = f"{mapped}.{suffix}"
         shape = t.shape
         if module.endswith("shared_expert_gate"):
             t = t.reshape(-1)  # llama.cpp declares ffn_gate_inp_shexp as {n_embd}
@@ -359,6 +439,8 @@ def write_gguf(
 def _transformers_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The converter-side names back to transformers' state dict (what the reference model loads)."""
     config = model.config
+    if config.model_type == "qwen3_next":
+        state = _qwen3next_state(config, state)
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if config.model_type == "gpt_oss" and ".mlp.experts." in name:
@@ -488,6 +570,51 @@ def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_
     theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
     got16 = rel(logits(ours16, ids), want32)
     assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+
+
+def test_qwen3next_gguf_logits_match_transformers(tmp_path: Path) -> None:
+    """Qwen3-Next as conversion/qwen.py writes it (its transforms undone by the reader): a delta-net
+    layer and a full-attention layer by ``attention.recurrent_layers`` (the file's interval of 4 says
+    otherwise and loses), q/k norms, partial rotary, a gated shared expert. The same bounds as the
+    other architectures (module docstring); the delta-net runs transformers' torch code in both."""
+    model = random_model("qwen3_next")
+    path = tmp_path / "model.gguf"
+    state = write_gguf(model, path)
+    ids = tokens()
+    want32 = logits(reference(model, state, torch.float32), ids)
+    ours = load_model(path, device="cpu", dtype=torch.float32)
+    got, want = ours.config, model.config
+    fields = [
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "layer_types",
+    ]
+    assert got.model_type == "qwen3_next"
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert got.rope_parameters["partial_rotary_factor"] == want.rope_parameters["partial_rotary_factor"]
+    assert rel(logits(ours, ids), want32) <= 5e-5
+    exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch", dense_method="torch")
+    assert rel(logits(exact, ids), want32) <= 1e-6
+    ours16 = load_model(path, device="cpu")
+    theirs16 = rel(logits(reference(model, state, torch.bfloat16), ids), want32)
+    got16 = rel(logits(ours16, ids), want32)
+    assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
+    # A file without the per-layer flags: every full_attention_interval-th layer is full attention.
+    older = tmp_path / "interval.gguf"
+    write_gguf(model, older, drop_keys=("attention.recurrent_layers",), extra_keys={"full_attention_interval": 2})
+    assert load_model(older, dtype=torch.float32).config.layer_types == ["linear_attention", "full_attention"]
 
 
 def test_gpt_oss_gguf_logits_match_transformers(tmp_path: Path) -> None:
@@ -623,7 +750,8 @@ def test_config_from_metadata_matches_the_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "split_kv_b"), [("qwen3_moe", True), ("deepseek_v3", True), ("deepseek_v3", False)]
+    ("model_type", "split_kv_b"),
+    [("qwen3_moe", True), ("deepseek_v3", True), ("deepseek_v3", False), ("qwen3_next", True)],
 )
 def test_memory_plan_counts_the_kv_cache_transformers_keeps(model_type: str, split_kv_b: bool, tmp_path: Path) -> None:
     """The planner's KV bytes per token for a GGUF file equal those of the original config (they took
@@ -658,8 +786,8 @@ def test_missing_metadata_names_the_file_and_key(tmp_path: Path) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     model = random_model("qwen3_moe")
     path = tmp_path / "m.gguf"
-    write_gguf(model, path, arch="qwen3next")
-    with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture 'qwen3next'.*qwen3moe"):
+    write_gguf(model, path, arch="bailingmoe")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture 'bailingmoe'.*qwen3moe"):
         load_model(path)
 
 

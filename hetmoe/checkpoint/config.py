@@ -180,7 +180,15 @@ def _attention_fields(field: Any, arch: str) -> dict[str, Any]:
                 "v_head_dim": value,
             }
         return fields
-    return fields | {
+    fields |= {
         "num_key_value_heads": largest(field("attention.head_count_kv", heads)),
         "head_dim": field("attention.key_length"),
     }
+    if arch == "qwen3next":  # only its full-attention layers cache per token (models/gguf_model.py)
+        recurrent = field("attention.recurrent_layers")
+        if not isinstance(recurrent, list):
+            interval = field("full_attention_interval", 4)
+            blocks = field("block_count") or 0
+            recurrent = [(layer + 1) % interval != 0 for layer in range(blocks)] if isinstance(interval, int) else []
+        fields["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+    return fields

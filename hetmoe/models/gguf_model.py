@@ -36,6 +36,14 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
 - What the file does not say but llama.cpp's graph fixes: qwen3moe always renormalises the top-k
   routing weights (``norm_w = true`` in ``qwen3moe.cpp``), qwen2moe never does (``false``); the
   shared-expert gate of qwen2moe is stored as a vector ``[H]``.
+- qwen3next (Qwen3-Next): full-attention layers (q_proj holding each head's output gate beside its
+  query, q/k norms, neox rope over ``rope.dimension_count`` values of a head) between gated
+  delta-net layers (``attention.recurrent_layers``, else every ``full_attention_interval``-th layer
+  full, 4 by default, as llama.cpp reads them); softmax routing renormalised (``norm_w = true``) and
+  a sigmoid-gated shared expert. The converter stores the zero-centred norms as ``1 + w`` (all but
+  the delta-net's gated norm), ``A_log`` as ``-exp(A_log)`` (``ssm_a``), the conv weight squeezed,
+  and ``in_proj_qkvz`` split into ``attn_qkv`` (all q heads, then k, then v) and ``attn_gate`` (z)
+  out of its per-key-head groups ``[q k v z]``; each is undone here (``_next_entry``).
 - deepseek2 (DeepSeek-V2/V3, Kimi-K2): newer files split ``kv_b_proj`` into ``attn_k_b``
   (``[heads, kv_lora_rank, qk_nope]``, i.e. transposed per head) and ``attn_v_b``
   (``[heads, v_head_dim, kv_lora_rank]``); both are put back together here. Sigmoid gating with
@@ -67,7 +75,7 @@ from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_code
 
 # Where transformers keeps the decoder layers of every architecture read here.
 MODULE_PREFIX = "model.layers"
-ARCHITECTURES = ("qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "olmoe", "llama")
+ARCHITECTURES = ("qwen2moe", "qwen3moe", "qwen3next", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "olmoe", "llama")
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
@@ -98,6 +106,19 @@ _GLM_NORMS = {
 _GLM_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # MiniMax-M2 keeps the selection bias on the MoE block itself.
 _MINIMAX_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.e_score_correction_bias"}
+# Qwen3-Next: the full-attention layers' names are Qwen3-MoE's (GLM's norm names); the delta-net
+# layers' in_proj_qkvz has no tensor of its own (``ssm_in``: joined from attn_qkv and attn_gate).
+_NEXT_LINEAR = {
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# its norms whose weight is zero-centred (transformers computes (1 + w) * x), stored as 1 + w
+_NEXT_OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 # gpt-oss: biases everywhere in its attention and router, a sink logit per head, GLM's norm names.
 _GPT_OSS = (
     _GLM_NORMS
@@ -283,8 +304,8 @@ class GGUFModel:
         self.tensors = {k: source.info(k) for k in source.keys()}
         self._kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
         self._permuted_rows: dict[str, torch.Tensor] = {}  # llama: q/k leaf -> rows in transformers' order
-        if self.arch == "glm4moe":
-            # its multi-token-prediction block(s) follow the decoder layers (block_count counts them,
+        if self.arch in ("glm4moe", "qwen3next"):
+            # their multi-token-prediction block(s) follow the decoder layers (block_count counts them,
             # nextn_predict_layers says how many; llama.cpp's graph and transformers skip them): left
             # unread. Any other tensor past the layers is still an error (_entries).
             blocks = int(self.meta.get("block_count", layout.num_layers))
@@ -292,6 +313,7 @@ class GGUFModel:
         builders = {
             "qwen2moe": self._qwen2moe,
             "qwen3moe": self._qwen3moe,
+            "qwen3next": self._qwen3next,
             "deepseek2": self._deepseek2,
             "glm4moe": self._glm4moe,
             "minimax-m2": self._minimax_m2,
@@ -426,6 +448,64 @@ class GGUFModel:
             return _NORMS | qkv | _QK_NORM | mlp
 
         return fields, names
+
+    def _qwen3next(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
+        m = self.meta
+        fields = self._common(layout)
+        head_dim = m.count("attention.key_length", "head_dim")
+        value_dim = m.count("attention.value_length", "the value head size", head_dim)
+        if value_dim != head_dim:
+            raise CheckpointError(
+                m.path, f"qwen3next: key_length={head_dim}, value_length={value_dim}: transformers needs them equal"
+            )
+        rotary = m.count("rope.dimension_count", "the rotary dimensions", head_dim)
+        value_heads = m.count("ssm.time_step_rank", "linear_num_value_heads")
+        inner = m.count("ssm.inner_size", "the delta-net's value width")
+        if inner % value_heads:
+            raise CheckpointError(
+                m.path, f"qwen3next.ssm.inner_size={inner} is not a multiple of ssm.time_step_rank={value_heads}"
+            )
+        self._no_expert_scale()
+        sample = layout.moe_layers[0]
+        fields |= {
+            "model_type": "qwen3_next",
+            "num_key_value_heads": m.count("attention.head_count_kv", "num_key_value_heads"),
+            "head_dim": head_dim,
+            "rope_parameters": self._rope() | {"partial_rotary_factor": rotary / head_dim},
+            "num_experts": layout.num_experts,
+            "norm_topk_prob": True,  # llama.cpp's qwen3next graph: norm_w = true
+            "shared_expert_intermediate_size": self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared expert")[0],
+            "layer_types": self._recurrent_layers(layout.num_layers),
+            "linear_conv_kernel_dim": m.count("ssm.conv_kernel", "linear_conv_kernel_dim"),
+            "linear_key_head_dim": m.count("ssm.state_size", "linear_key_head_dim"),
+            "linear_num_key_heads": m.count("ssm.group_count", "linear_num_key_heads"),
+            "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": inner // value_heads,
+            "attention_bias": False,
+        }
+        self._qwen_layers(fields, layout)
+        attention = {k: v for k, v in _QKV.items() if not k.endswith(".bias")} | _QK_NORM
+        types = fields["layer_types"]
+
+        def names(layer: int) -> dict[str, str]:
+            mixer = _NEXT_LINEAR if types[layer] == "linear_attention" else attention
+            mlp = _ROUTER | _QWEN2_SHARED if layer in layout.moe_layers else _DENSE_MLP
+            return _GLM_NORMS | mixer | mlp
+
+        return fields, names
+
+    def _recurrent_layers(self, layers: int) -> list[str]:
+        """llama.cpp's qwen3next reading: ``attention.recurrent_layers`` (a flag per layer), else every
+        ``full_attention_interval``-th layer full attention (default 4), the others delta-net."""
+        flags = self.meta.get("attention.recurrent_layers")
+        if flags is None:
+            interval = self.meta.count("full_attention_interval", "full_attention_interval", 4)
+            flags = [(layer + 1) % interval != 0 for layer in range(layers)]
+        elif not isinstance(flags, list) or len(flags) < layers or not all(isinstance(f, (bool, int)) for f in flags):
+            raise CheckpointError(
+                self.meta.path, f"qwen3next.attention.recurrent_layers: expected {layers} flags, found {flags!r}"
+            )
+        return ["linear_attention" if f else "full_attention" for f in flags[:layers]]
 
     def _olmoe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
         fields = self._gqa_fields(layout)
@@ -771,6 +851,53 @@ class GGUFModel:
         return shape
 
     def _combined(self, key: str) -> _Entry | None:
+        """A transformers tensor that is not one GGUF tensor as stored (qwen3next's, ``_next_entry``;
+        deepseek2's split kv_b_proj, below); None for the others."""
+        if self.arch == "qwen3next":
+            return self._next_entry(key)
+        return self._kv_b(key)
+
+    def _next_entry(self, key: str) -> _Entry | None:
+        """What convert_hf_to_gguf's Qwen3NextModel.modify_tensors did to a tensor, undone: ``1 + w``
+        norms, ``-exp(A_log)``, the squeezed conv weight, in_proj_qkvz split out of its groups."""
+        leaf = key.split(".", 2)[-1] if key.startswith("blk.") else key
+        if key in self.tensors and (leaf in _NEXT_OFFSET_NORMS or key == "output_norm.weight"):
+            return _Entry((key,), self._hf_shape(key), lambda parts: parts[0].float() - 1)
+        if leaf == "ssm_a" and key in self.tensors:
+            return _Entry((key,), self._hf_shape(key), lambda parts: torch.log(-parts[0].float()))
+        if leaf == "ssm_conv1d.weight" and key in self.tensors:
+            channels, kernel = self._shape(key, "the delta-net's conv weight")
+            return _Entry((key,), (channels, 1, kernel))
+        if leaf != "ssm_in.weight":
+            return None
+        stem = key.removesuffix("ssm_in.weight")
+        qkv, gate = stem + "attn_qkv.weight", stem + "attn_gate.weight"
+        missing = [k for k in (qkv, gate) if k not in self.tensors]
+        if missing:
+            raise CheckpointError(self.meta.path, f"missing tensor {missing[0]} (qwen3next in_proj_qkvz)")
+        c = self.config
+        groups, dk = c.linear_num_key_heads, c.linear_key_head_dim
+        dv = c.linear_num_value_heads // groups * c.linear_value_head_dim  # a group's v (and z) rows
+        hidden = c.hidden_size
+        expected = {qkv: (groups * (2 * dk + dv), hidden), gate: (groups * dv, hidden)}
+        for name, want in expected.items():
+            if tuple(self.tensors[name].shape) != want:
+                raise CheckpointError(
+                    self.meta.path,
+                    f"tensor {name}: expected shape {list(want)} (from the ssm.* metadata), "
+                    f"found {list(self.tensors[name].shape)}",
+                )
+
+        def join(parts: list[torch.Tensor]) -> torch.Tensor:
+            w, z = parts[0].float(), parts[1].float()
+            q = w[: groups * dk].view(groups, dk, hidden)
+            k = w[groups * dk : 2 * groups * dk].view(groups, dk, hidden)
+            v = w[2 * groups * dk :].view(groups, dv, hidden)
+            return torch.cat([q, k, v, z.view(groups, dv, hidden)], dim=1).reshape(-1, hidden)
+
+        return _Entry((qkv, gate), (groups * (2 * dk + 2 * dv), hidden), join)
+
+    def _kv_b(self, key: str) -> _Entry | None:
         """deepseek2's kv_b_proj when the file holds it split into attn_k_b and attn_v_b; None otherwise.
 
         convert_hf_to_gguf views kv_b_proj ``[heads * (nope + v), rank]`` as ``[heads, nope + v, rank]``,

@@ -405,7 +405,7 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> tuple[int, s
     """Bytes of KV cache one token adds across all layers (sliding layers counted in full), and how."""
     layers = int(config.get("num_hidden_layers", 0))
     heads = int(config.get("num_attention_heads", 1))
-    types = config.get("layer_types") or ["full_attention"] * layers
+    types = (config.get("layer_types") or ["full_attention"] * layers)[:layers]  # past them: MTP blocks
     full = sum(1 for t in types if t == "full_attention")
     sliding = sum(1 for t in types if t in ("sliding_attention", "sliding_window"))
     linear = len(types) - full - sliding
