@@ -604,6 +604,9 @@ def test_qwen3next_gguf_logits_match_transformers(tmp_path: Path) -> None:
     assert got.model_type == "qwen3_next"
     assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
     assert got.rope_parameters["partial_rotary_factor"] == want.rope_parameters["partial_rotary_factor"]
+    # in_proj_qkvz runs from the Q8_0 blocks of attn_qkv and attn_gate, their rows put back in order
+    qkvz = ours.model.layers[0].linear_attn.in_proj_qkvz
+    assert isinstance(qkvz, CPULinear) and qkvz.method == "gguf:q8_0"
     assert rel(logits(ours, ids), want32) <= 5e-5
     exact = load_model(path, device="cpu", dtype=torch.float32, expert_backend="torch", dense_method="torch")
     assert rel(logits(exact, ids), want32) <= 1e-6

@@ -43,7 +43,8 @@ The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and `
   a sigmoid-gated shared expert. The converter stores the zero-centred norms as ``1 + w`` (all but
   the delta-net's gated norm), ``A_log`` as ``-exp(A_log)`` (``ssm_a``), the conv weight squeezed,
   and ``in_proj_qkvz`` split into ``attn_qkv`` (all q heads, then k, then v) and ``attn_gate`` (z)
-  out of its per-key-head groups ``[q k v z]``; each is undone here (``_next_entry``).
+  out of its per-key-head groups ``[q k v z]``; each is undone here (``_next_entry``), the last by
+  moving whole rows of the stored blocks, so in_proj_qkvz still runs as stored.
 - deepseek2 (DeepSeek-V2/V3, Kimi-K2): newer files split ``kv_b_proj`` into ``attn_k_b``
   (``[heads, kv_lora_rank, qk_nope]``, i.e. transposed per head) and ``attn_v_b``
   (``[heads, v_head_dim, kv_lora_rank]``); both are put back together here. Sigmoid gating with
@@ -177,8 +178,9 @@ class _Meta:
 @dataclass(frozen=True)
 class _Entry:
     """One transformers tensor: read from ``parts`` (GGUF names), then ``build`` when it is not just
-    the one part (reshaped to ``shape``); ``rows``: the stored rows in transformers' order (a llama
-    file's q/k, permuted by the converter), applied to the stored blocks as to the decoded values."""
+    the parts' rows one after the other (reshaped to ``shape``); ``rows``: those rows in transformers'
+    order (a llama file's q/k, permuted by the converter; qwen3next's in_proj_qkvz), applied to the
+    stored blocks as to the decoded values."""
 
     parts: tuple[str, ...]
     shape: tuple[int, ...]
@@ -216,7 +218,10 @@ class GGUFTensors:
             return self._raw.get(name)
         entry = self._entry(name)
         parts = [self._decode(p) for p in entry.parts]
-        value = entry.build(parts) if entry.build is not None else parts[0]
+        if entry.build is not None:
+            value = entry.build(parts)
+        else:
+            value = parts[0] if len(parts) == 1 else torch.cat([p.float() for p in parts])
         if entry.rows is not None:
             value = value.reshape(entry.shape).index_select(0, entry.rows)
         return value.reshape(entry.shape)
@@ -231,24 +236,30 @@ class GGUFTensors:
 
     def stored(self, name: str) -> QuantizedTensor | None:
         """A non-expert weight in its GGUF block type, as the file holds it (a view of the mapped
-        bytes), where it is one tensor of the transformers shape in a block (not float) type; else
-        None (``get`` decodes it)."""
+        bytes, or whole rows of blocks gathered where the rows move or come from several tensors of
+        one type), where its parts are rows of the transformers shape in a block (not float) type;
+        else None (``get`` decodes it)."""
         if name in self._experts:
             return None
         entry = self._entry(name)
-        if len(entry.parts) != 1 or entry.build is not None or len(entry.shape) != 2:
+        if entry.build is not None or len(entry.shape) != 2:
             return None
-        info = self._raw.info(entry.parts[0])
-        if str(info.dtype) in _FLOATS or tuple(info.shape) != tuple(entry.shape):
+        infos = [self._raw.info(p) for p in entry.parts]
+        types = {str(i.dtype) for i in infos}
+        if len(types) != 1 or types & set(_FLOATS) or any(len(i.shape) != 2 for i in infos):
+            return None
+        if sum(i.shape[0] for i in infos) != entry.shape[0] or any(i.shape[1] != entry.shape[1] for i in infos):
             return None
         try:
-            blocks = self._blocks(entry.parts[0])[1]
+            parts = [self._blocks(p)[1] for p in entry.parts]
         except UnknownMethodError:
             return None
-        if entry.rows is None:
-            return blocks
-        raw = blocks.tensors[".weight"].reshape(entry.shape[0], -1).index_select(0, entry.rows)  # whole rows of blocks
-        return dataclasses.replace(blocks, tensors={".weight": raw})
+        if len(parts) == 1 and entry.rows is None:
+            return parts[0]
+        raw = torch.cat([b.tensors[".weight"].reshape(b.shape[0], -1) for b in parts])  # whole rows of blocks
+        if entry.rows is not None:
+            raw = raw.index_select(0, entry.rows)
+        return dataclasses.replace(parts[0], shape=tuple(entry.shape), tensors={".weight": raw})
 
     def _blocks(self, key: str) -> tuple[Any, QuantizedTensor]:
         """``(codec, the tensor's blocks)`` of a GGUF tensor in a block type; UnknownMethodError for a
@@ -888,14 +899,11 @@ class GGUFModel:
                     f"found {list(self.tensors[name].shape)}",
                 )
 
-        def join(parts: list[torch.Tensor]) -> torch.Tensor:
-            w, z = parts[0].float(), parts[1].float()
-            q = w[: groups * dk].view(groups, dk, hidden)
-            k = w[groups * dk : 2 * groups * dk].view(groups, dk, hidden)
-            v = w[2 * groups * dk :].view(groups, dv, hidden)
-            return torch.cat([q, k, v, z.view(groups, dv, hidden)], dim=1).reshape(-1, hidden)
-
-        return _Entry((qkv, gate), (groups * (2 * dk + 2 * dv), hidden), join)
+        # attn_qkv's rows then attn_gate's: all q (groups x dk), all k, all v (groups x dv), all z;
+        # transformers' order is per group [q k v z]
+        starts = ((0, dk), (groups * dk, dk), (2 * groups * dk, dv), (2 * groups * dk + groups * dv, dv))
+        rows = torch.cat([torch.arange(n) + start + g * n for g in range(groups) for start, n in starts])
+        return _Entry((qkv, gate), (groups * (2 * dk + 2 * dv), hidden), rows=rows)
 
     def _kv_b(self, key: str) -> _Entry | None:
         """deepseek2's kv_b_proj when the file holds it split into attn_k_b and attn_v_b; None otherwise.
