@@ -165,10 +165,12 @@ def decode_speed(model: Any, steps: int, prompt: int) -> float:
 
 
 def transformers_layers(model: Any) -> dict[int, Any]:
-    """Take the one-call forwards off (returned, to put back)."""
+    """Take the one-call forwards off, the decoder layers' and the causal LM's (returned, to put
+    back); what else load_model installed (the fused norms, MLA's absorbed attention) stays."""
     taken = {}
     for m in model.modules():  # the model itself first
-        if "forward" in vars(m):
+        forward = vars(m).get("forward")
+        if forward is not None and (m is model or getattr(forward, "hetmoe_fast_decode", False)):
             taken[id(m)] = (m, vars(m).pop("forward"))
     return taken
 
