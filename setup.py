@@ -22,6 +22,7 @@ SOURCES = [
     "norms.cpp",
     "decode_step.cpp",
     "mla_step.cpp",
+    "delta_rule.cpp",
     "numa.cpp",
     "numa_split.cpp",
     "quantize.cpp",

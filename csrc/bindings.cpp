@@ -12,6 +12,7 @@
 
 #include "cpu_features.h"
 #include "decode_step.h"
+#include "delta_rule.h"
 #include "engine_common.h"
 #include "kernels.h"
 #include "linear_engine.h"
@@ -677,6 +678,26 @@ PYBIND11_MODULE(_C, m) {
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"),
           py::arg("k_row_stride"), py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"),
           py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"), py::arg("first") = 0);
+
+  m.def(
+      "gated_delta_step",
+      [](uintptr_t q, uintptr_t k, uintptr_t v, int dtype, uintptr_t g, uintptr_t beta, uintptr_t state, uintptr_t out,
+         int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv) {
+        // One token of Qwen3-Next's gated delta rule (delta_rule.h); tensors checked in Python
+        // (hetmoe/models/delta_rule.py), the state updated in place.
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("gated_delta_step: dtype must be 0 or 1");
+        if (k_heads <= 0 || v_heads <= 0 || v_heads % k_heads || dk <= 0 || dv <= 0)
+          throw py::value_error("gated_delta_step: bad shape (v_heads a multiple of k_heads)");
+        if (!q || !k || !v || !g || !beta || !state || !out) throw py::value_error("gated_delta_step: a null buffer");
+        py::gil_scoped_release release;
+        gated_delta_step(g_selected, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                         reinterpret_cast<const void*>(v), dtype, reinterpret_cast<const float*>(g),
+                         reinterpret_cast<const float*>(beta), reinterpret_cast<float*>(state),
+                         reinterpret_cast<void*>(out), k_heads, v_heads, dk, dv);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dtype"), py::arg("g"), py::arg("beta"), py::arg("state"),
+      py::arg("out"), py::arg("k_heads"), py::arg("v_heads"), py::arg("dk"), py::arg("dv"));
 
   py::class_<DecodeMLABlock>(m, "DecodeMLABlock")
       .def(py::init([](int64_t hidden, int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t v_dim,

@@ -49,6 +49,7 @@ from ..runtime.stored_embedding import StoredEmbedding
 from ..runtime.torch_experts import TorchCPUExperts
 from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
+from .delta_rule import install_delta_rule
 from .dense_engine import STORED, DenseConverter, resolve_dense_method
 from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
@@ -224,6 +225,7 @@ def load_model(
         fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
         fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
         install_mla(model, adapter)  # latent attention in the absorbed form (mla_attention.py)
+        install_delta_rule(model)  # Qwen3-Next's one-token delta rule in the engine (delta_rule.py)
         install_fast_decode(model, adapter)  # one-token decoder layers without transformers' glue (fast_decode.py)
     load_generation_config(model, directory)
     model.config._name_or_path = str(p)
