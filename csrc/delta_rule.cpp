@@ -13,16 +13,11 @@ namespace hetmoe {
 
 namespace {
 
-void widen(const void* src, int dtype, int64_t n, float* dst) {
-  if (dtype == kBF16Data) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t u = uint32_t(s[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-  } else {
+void widen(const KernelTable* kt, const void* src, int dtype, int64_t n, float* dst) {
+  if (dtype == kBF16Data)
+    kt->bf16_to_f32(static_cast<const uint16_t*>(src), dst, int(n));
+  else
     std::memcpy(dst, src, size_t(n) * sizeof(float));
-  }
 }
 
 // l2norm as transformers computes it: x * rsqrt(sum(x * x) + eps)
@@ -48,9 +43,9 @@ void gated_delta_step(const KernelTable* kt, const void* q, const void* k, const
     vf.resize(dv);
     mem.assign(dv, 0.f);
     const int64_t kh = h / per_key;
-    widen(static_cast<const uint8_t*>(q) + size_t(kh) * dk * elem, dtype, dk, qf.data());
-    widen(static_cast<const uint8_t*>(k) + size_t(kh) * dk * elem, dtype, dk, kf.data());
-    widen(static_cast<const uint8_t*>(v) + size_t(h) * dv * elem, dtype, dv, vf.data());
+    widen(kt, static_cast<const uint8_t*>(q) + size_t(kh) * dk * elem, dtype, dk, qf.data());
+    widen(kt, static_cast<const uint8_t*>(k) + size_t(kh) * dk * elem, dtype, dk, kf.data());
+    widen(kt, static_cast<const uint8_t*>(v) + size_t(h) * dv * elem, dtype, dv, vf.data());
     l2_normalise(qf.data(), dk);
     l2_normalise(kf.data(), dk);
     for (int64_t i = 0; i < dk; ++i) qf[i] /= q_scale;

@@ -159,6 +159,13 @@ inline int act_quant_for(const KernelTable* kt, int method, int K) {
   return mode == kActNone ? kActNone : kt->act_layout(mode, K);
 }
 
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

@@ -10,13 +10,6 @@ namespace hetmoe {
 
 namespace {
 
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // The rope parts of `rows` rows (`width` bf16 values each, `stride` elements apart from x on) -> out
 // [rows, width] bf16, as the architecture rotates them (MLARope).
 void rotate(int mode, const uint16_t* x, int64_t stride, int64_t rows, const void* cos, const void* sin,
@@ -30,7 +23,7 @@ void rotate(int mode, const uint16_t* x, int64_t stride, int64_t rows, const voi
       const uint16_t* v = x + r * stride;
       uint16_t* o = out + r * width;
       for (int64_t i = 0; i < half; ++i) {
-        const float a = bf16_to_f32(v[2 * i]), b = bf16_to_f32(v[2 * i + 1]);
+        const float a = engine::bf16_to_f32(v[2 * i]), b = engine::bf16_to_f32(v[2 * i + 1]);
         const float c = cs[2 * i], d = cs[2 * i + 1];
         const float ac = a * c, bd = b * d, ad = a * d, bc = b * c;
         o[2 * i] = engine::f32_to_bf16(ac - bd);

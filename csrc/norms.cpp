@@ -9,12 +9,7 @@
 namespace hetmoe {
 namespace {
 
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using engine::bf16_to_f32;
 
 inline float round_bf16(float f) { return bf16_to_f32(engine::f32_to_bf16(f)); }
 

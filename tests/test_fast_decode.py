@@ -42,18 +42,11 @@ def _steps(model, ids: torch.Tensor, steps: int, fast: bool, cache_class=None) -
 
 def _spy_on_block(monkeypatch) -> list[bool]:
     """Whether each call of fast_decode._one_token_block took the one-call step (appended per call)."""
+    from tiny_models import spy_taken
+
     import hetmoe.models.fast_decode as fast_decode
 
-    taken: list[bool] = []
-    real = fast_decode._one_token_block
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast_decode, "_one_token_block", spy)
-    return taken
+    return spy_taken(monkeypatch, fast_decode, "_one_token_block")
 
 
 def _transformers_steps(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:

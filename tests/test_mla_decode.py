@@ -68,18 +68,11 @@ def _greedy(model, ids: torch.Tensor, steps: int, fast: bool) -> list[torch.Tens
 
 def _spy(monkeypatch) -> list[bool]:
     """Whether each call of the one-call step ran it (appended per call)."""
+    from tiny_models import spy_taken
+
     import hetmoe.models.fast_decode as fast_decode
 
-    taken: list[bool] = []
-    real = fast_decode.one_token_mla
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast_decode, "one_token_mla", spy)
-    return taken
+    return spy_taken(monkeypatch, fast_decode, "one_token_mla")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -138,6 +138,21 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.to(model.device)).logits.cpu()
 
 
+def spy_taken(monkeypatch: Any, owner: Any, name: str) -> list[bool]:
+    """Replace ``owner.name`` (a function a fast path may decline by returning None) with one that
+    records, per call, whether it returned something; the list grows as the tests call it."""
+    taken: list[bool] = []
+    real = getattr(owner, name)
+
+    def spy(*args: Any) -> Any:
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(owner, name, spy)
+    return taken
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     import transformers
 
