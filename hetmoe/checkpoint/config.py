@@ -185,10 +185,21 @@ def _attention_fields(field: Any, arch: str) -> dict[str, Any]:
         "head_dim": field("attention.key_length"),
     }
     if arch == "qwen3next":  # only its full-attention layers cache per token (models/gguf_model.py)
-        recurrent = field("attention.recurrent_layers")
-        if not isinstance(recurrent, list):
-            interval = field("full_attention_interval", 4)
-            blocks = field("block_count") or 0
-            recurrent = [(layer + 1) % interval != 0 for layer in range(blocks)] if isinstance(interval, int) else []
-        fields["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+        blocks = field("block_count")
+        blocks = blocks if isinstance(blocks, int) else 0
+        flags, interval = field("attention.recurrent_layers"), field("full_attention_interval", 4)
+        fields["layer_types"] = qwen3next_layer_types(flags, interval, blocks) or []
     return fields
+
+
+def qwen3next_layer_types(flags: Any, interval: Any, layers: int) -> list[str] | None:
+    """A qwen3next GGUF's layer kinds as llama.cpp reads them: ``attention.recurrent_layers`` (a flag
+    per layer, true for the gated delta-net), else every ``full_attention_interval``-th layer full
+    attention; None where the metadata is malformed."""
+    if flags is None:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            return None
+        flags = [(layer + 1) % interval != 0 for layer in range(layers)]
+    elif not isinstance(flags, list) or len(flags) < layers or not all(isinstance(f, (bool, int)) for f in flags):
+        return None
+    return ["linear_attention" if f else "full_attention" for f in flags[:layers]]

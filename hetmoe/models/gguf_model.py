@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointError, TensorInfo, TensorSource
+from ..checkpoint.config import qwen3next_layer_types
 from ..checkpoint.gguf_file import GGUFFile
 from ..checkpoint.layout import MoELayout
 from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_codec
@@ -506,17 +507,16 @@ class GGUFModel:
         return fields, names
 
     def _recurrent_layers(self, layers: int) -> list[str]:
-        """llama.cpp's qwen3next reading: ``attention.recurrent_layers`` (a flag per layer), else every
-        ``full_attention_interval``-th layer full attention (default 4), the others delta-net."""
-        flags = self.meta.get("attention.recurrent_layers")
-        if flags is None:
-            interval = self.meta.count("full_attention_interval", "full_attention_interval", 4)
-            flags = [(layer + 1) % interval != 0 for layer in range(layers)]
-        elif not isinstance(flags, list) or len(flags) < layers or not all(isinstance(f, (bool, int)) for f in flags):
+        """The layer kinds (checkpoint/config.py: qwen3next_layer_types), or an error naming the keys."""
+        flags, interval = self.meta.get("attention.recurrent_layers"), self.meta.get("full_attention_interval", 4)
+        types = qwen3next_layer_types(flags, interval, layers)
+        if types is None:
             raise CheckpointError(
-                self.meta.path, f"qwen3next.attention.recurrent_layers: expected {layers} flags, found {flags!r}"
+                self.meta.path,
+                f"qwen3next.attention.recurrent_layers: expected {layers} flags, found {flags!r} "
+                f"(or without it, full_attention_interval a positive count, found {interval!r})",
             )
-        return ["linear_attention" if f else "full_attention" for f in flags[:layers]]
+        return types
 
     def _olmoe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
         fields = self._gqa_fields(layout)
