@@ -155,3 +155,21 @@ def test_block_refuses_shapes_it_cannot_run() -> None:
         make(16, 3)
     with pytest.raises(ValueError, match="q_in must map"):
         make(16, 0)
+
+
+def test_block_follows_kv_b_changed_in_place(mla_models) -> None:
+    """The block reads a transposed copy of kv_b_proj's W_UK: after the weight's values change in place
+    (a merged adapter, say), the next steps use the new values, exactly as a model changed before its
+    first step does."""
+    from hetmoe import load_model
+
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    used = load_model(mla_models["deepseek_v3"])
+    _greedy(used, ids, 3, fast=True)  # the blocks and their copies made
+    fresh = load_model(mla_models["deepseek_v3"])
+    with torch.no_grad():
+        for model in (used, fresh):
+            for layer in model.model.layers:
+                layer.self_attn.kv_b_proj.weight.mul_(0.5)
+    for a, b in zip(_greedy(used, ids, 6, fast=True), _greedy(fresh, ids, 6, fast=True), strict=True):
+        assert torch.equal(a, b)

@@ -207,19 +207,29 @@ def _expanded_prompt(
 
 def _absorbed_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """``(W_UK^T [H, rank, nope], W_UV [H, v, rank])`` from kv_b_proj's weight: W_UV a view of it,
-    W_UK^T a transposed copy made once (again if the weight is replaced), so that each head's
-    product with the query is a GEMV over unit-strided rows. The copy is half of kv_b_proj's weight
-    (DeepSeek-V3: 16 MiB a layer in bf16)."""
+    W_UK^T a transposed copy made once (again if the weight is replaced, its storage swapped or its
+    values changed in place), so that each head's product with the query is a GEMV over unit-strided
+    rows. The copy is half of kv_b_proj's weight (DeepSeek-V3: 16 MiB a layer in bf16)."""
     weight = attn.kv_b_proj.weight
     cached = attn.__dict__.get("_hetmoe_absorbed")
-    if cached is not None and cached[0] is weight:
+    if cached is not None and cached[0] is weight and cached[3] == weight_state(weight):
         return cached[1], cached[2]
     heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
     w = weight.detach().view(heads, nope + v_dim, attn.kv_lora_rank)
     w_uk_t = w[:, :nope, :].transpose(1, 2).contiguous()
     w_uv = w[:, nope:, :]
-    attn._hetmoe_absorbed = (weight, w_uk_t, w_uv)
+    attn._hetmoe_absorbed = (weight, w_uk_t, w_uv, weight_state(weight))
     return w_uk_t, w_uv
+
+
+def weight_state(weight: torch.Tensor) -> tuple[int, int]:
+    """Where a weight's values live and how often they were changed in place (an inference tensor
+    keeps no counter: -1), to tell when a copy made from it is stale."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        version = -1
+    return weight.data_ptr(), version
 
 
 def _attend(

@@ -26,7 +26,7 @@ from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears, FusedSlice
 from .adapters.base import MLAAdapter
 from .fused_norms import norm_spec
-from .mla_attention import _absorbed_weights
+from .mla_attention import _absorbed_weights, weight_state
 
 ROPE_MODES = {"interleaved": 0, "half": 1, "complex": 2}  # csrc/mla_step.h: MLARope
 
@@ -92,7 +92,8 @@ def _block(layer: nn.Module, adapter: MLAAdapter) -> Any:
     weights = [None if n is None else n._parameters["weight"] for n in norms]
     weights.append(mods["kv_b_proj"]._parameters["weight"])
     parts = (*weights, *linears, mods.get("q_b_proj"), mods["o_proj"])
-    pointers = tuple(None if w is None else w.data_ptr() for w in weights)
+    # kv_b's version too: the block reads a W_UK^T copy of it (mla_attention._absorbed_weights)
+    pointers = (*(None if w is None else w.data_ptr() for w in weights), weight_state(weights[-1]))
     cached = layer.__dict__.get("_hetmoe_mla_block")
     if cached is not None and cached[1] == pointers and all(map(operator.is_, cached[0], parts)):
         return cached[2]
