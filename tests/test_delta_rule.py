@@ -78,7 +78,7 @@ def test_qwen3next_decode_takes_the_engine_step(tmp_path, monkeypatch) -> None:
     prompt still takes transformers' chunked rule), and 8 greedy steps give logits within the bound
     above (carried through the model: 1e-4 of the largest logit) of the same model with the flag off;
     a transformers model of the same weights, not flagged, keeps transformers' arithmetic."""
-    from tiny_models import build_tiny
+    from tiny_models import build_tiny, greedy_logits
     from transformers import AutoModelForCausalLM
 
     import hetmoe.models.delta_rule as delta_rule
@@ -97,28 +97,17 @@ def test_qwen3next_decode_takes_the_engine_step(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(delta_rule, "_step", spy)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        fast = _greedy(model, ids)
+        fast = greedy_logits(model, ids, 8)
     assert len(steps) == 8  # the one linear-attention layer, every decode step
     steps.clear()
     with monkeypatch.context() as m:
         m.setattr(delta_rule, "_applies", lambda *a: False)
         with torch.inference_mode():
-            slow = _greedy(model, ids)
+            slow = greedy_logits(model, ids, 8)
     assert not steps
     for a, b in zip(fast, slow, strict=True):
         assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        reference(ids)
-        _greedy(reference, ids, steps=2)
+        greedy_logits(reference, ids, 2)
     assert not steps
-
-
-def _greedy(model, ids: torch.Tensor, steps: int = 8) -> list[torch.Tensor]:
-    out = model(ids, use_cache=True)
-    cache, logits = out.past_key_values, []
-    for _ in range(steps):
-        logits.append(out.logits[:, -1].clone())
-        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-        cache = out.past_key_values
-    return logits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import greedy_logits
 
 from hetmoe.runtime.hybrid import HybridMoE
 from hetmoe.runtime.kv_cache import growing_cache
@@ -26,14 +27,9 @@ def _steps(model, ids: torch.Tensor, steps: int, fast: bool, cache_class=None) -
         for m in layers:
             vars(m).pop("forward", None)  # back to transformers' class forward
     try:
-        logits = []
         with torch.inference_mode():
             cache = growing_cache(model.config) if cache_class is None else cache_class(config=model.config)
-            out = model(ids, cache=cache, use_cache=True)
-            for _ in range(steps):
-                logits.append(out.logits[:, -1].clone())
-                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-        return logits
+            return greedy_logits(model, ids, steps, cache)
     finally:
         for m in layers:
             if saved[id(m)] is not None:

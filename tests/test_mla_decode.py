@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import greedy_logits
 
 from hetmoe.runtime.kv_cache import growing_cache
 
@@ -52,14 +53,8 @@ def _greedy(model, ids: torch.Tensor, steps: int, fast: bool) -> list[torch.Tens
         for m in [model, *layers]:
             vars(m).pop("forward", None)
     try:
-        logits = []
         with torch.inference_mode():
-            cache = growing_cache(model.config)
-            out = model(ids, cache=cache, use_cache=True)
-            for _ in range(steps):
-                logits.append(out.logits[:, -1].clone())
-                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-        return logits
+            return greedy_logits(model, ids, steps, growing_cache(model.config))
     finally:
         for m, forward in zip([model, *layers], saved, strict=True):
             if forward is not None:

@@ -138,6 +138,18 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.to(model.device)).logits.cpu()
 
 
+def greedy_logits(model: torch.nn.Module, ids: torch.Tensor, steps: int, cache: Any = None) -> list[torch.Tensor]:
+    """The last-position logits before each of ``steps`` greedy one-token steps after the prompt ``ids``,
+    continuing ``cache`` (None: the cache the model's first forward returns)."""
+    out = model(ids, cache=cache, use_cache=True)
+    cache = out.past_key_values if cache is None else cache
+    logits = []
+    for _ in range(steps):
+        logits.append(out.logits[:, -1].clone())
+        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    return logits
+
+
 def spy_taken(monkeypatch: Any, owner: Any, name: str) -> list[bool]:
     """Replace ``owner.name`` (a function a fast path may decline by returning None) with one that
     records, per call, whether it returned something; the list grows as the tests call it."""
