@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..kernels.dispatch import EngineUnavailableError
+from ..runtime.process_group import RankLostError
 from . import bench, chat, convert, demo, doctor, eval, generate, gptq, inspect_cmd, plan, serve, sft
 
 COMMANDS = (inspect_cmd, convert, demo, doctor, bench, gptq, generate, eval, plan, serve, chat, sft)
@@ -60,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
-    except (ValueError, EngineUnavailableError) as exc:
-        # Bad input and unmet requirements (FormatError and CheckpointError are ValueErrors) get one
-        # clear line; HETMOE_DEBUG=1 shows the traceback instead.
+    except (ValueError, EngineUnavailableError, RankLostError) as exc:
+        # Bad input, unmet requirements (FormatError and CheckpointError are ValueErrors) and a lost
+        # peer process get one clear line; HETMOE_DEBUG=1 shows the traceback instead.
         if os.environ.get("HETMOE_DEBUG"):
             raise
         print(f"hetmoe {args.command}: error: {exc}", file=sys.stderr)

@@ -25,14 +25,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             'precision (or --method). DATA is JSONL, one {"messages": [{"role": ..., "content": ...}]} a '
             "line, rendered with the model's chat template; the loss covers assistant tokens only. Checkpoints "
             "(adapter, optimizer, step, RNG) go to OUTPUT/checkpoint, atomically; --resume continues from there "
-            "exactly. The final adapter is a PEFT adapter in OUTPUT/adapter."
+            "exactly. The final adapter is a PEFT adapter in OUTPUT/adapter.\n\n"
+            "Several processes: start the same command under torchrun (or accelerate launch). Each rank holds "
+            "the experts in its own CPU engine, takes its share of every batch (--batch-size is the global "
+            "batch) and adds its LoRA gradients to the others' (gloo on the CPU, nccl on GPUs), so the steps "
+            "are those of one process on the whole batch. Ranks on one host split its CPUs. Rank 0 writes "
+            "the checkpoints and the adapter; --resume works at the same or another number of processes."
         ),
         epilog=(
             "examples:\n"
             "  hetmoe sft train --data data/sft/tiny_chat.jsonl --eval-data data/sft/tiny_chat_eval.jsonl\n"
             "  hetmoe sft train /models/Qwen3-30B-A3B --data chat.jsonl --method int4 --lora-rank 16 --output run1\n"
             "  hetmoe sft train ./tiny --data chat.jsonl --max-steps 200 --save-every 50 --output run1\n"
-            "  hetmoe sft train ./tiny --data chat.jsonl --max-steps 400 --output run1 --resume"
+            "  hetmoe sft train ./tiny --data chat.jsonl --max-steps 400 --output run1 --resume\n"
+            "  torchrun --nproc-per-node 2 -m hetmoe sft train ./tiny --data chat.jsonl --batch-size 8\n"
+            "  torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST0 --master-port 29500 \\\n"
+            "      -m hetmoe sft train /models/Qwen3-30B-A3B --data chat.jsonl --method int4 --output /shared/run1\n"
+            "  accelerate launch --multi-gpu --num-processes 2 -m hetmoe sft train ./tiny --data chat.jsonl\n"
+            "  (accelerate's --multi-gpu is its multi-process launcher, CPUs included; without it accelerate\n"
+            "  starts one process)"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -53,7 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--epochs", type=int, default=1, help="passes over DATA (default 1)")
     t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (default 1e-3)")
     t.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N optimizer steps in total")
-    t.add_argument("--batch-size", type=int, default=4, metavar="B", help="conversations per step (default 4)")
+    t.add_argument(
+        "--batch-size", type=int, default=4, metavar="B", help="conversations per step, over all ranks (default 4)"
+    )
     t.add_argument("--max-length", type=int, default=512, metavar="T", help="tokens per conversation (default 512)")
     t.add_argument("--output", type=Path, default=Path("sft-output"), metavar="DIR", help="default ./sft-output")
     t.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
@@ -99,7 +112,11 @@ def run_train(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         progress=not args.no_progress,
     )
+    from ..runtime.process_group import ranks_from_env
+
     result = train(cfg)
+    if not ranks_from_env().main:
+        return 0  # rank 0 reports for the job
     rate = result.tokens / result.seconds if result.seconds else 0.0
     print(f"steps: {result.steps}, tokens: {result.tokens}, {rate:.0f} tokens/s", file=sys.stderr)
     if result.losses:

@@ -33,6 +33,11 @@ class Example:
     def target_tokens(self) -> int:
         return sum(1 for t in self.labels if t != IGNORE)
 
+    @property
+    def predicted_tokens(self) -> int:
+        """Targets the causal LM loss counts: the labels after the first (a model predicts token i+1 at i)."""
+        return sum(1 for t in self.labels[1:] if t != IGNORE)
+
 
 def read_chat_jsonl(path: str | Path) -> list[list[dict[str, str]]]:
     """The conversations of ``path``, validated line by line."""

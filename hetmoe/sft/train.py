@@ -3,13 +3,21 @@
 LoRA (PEFT) on the routed experts' projections -- and, through the same names, on shared experts
 and dense MLPs -- of a model whose experts stay in the CPU engine (``load_for_training``). AdamW at
 a constant learning rate, gradient norm clipped at 1.0, batches drawn in a per-epoch order fixed
-by the seed, loss on assistant tokens only (``data.py``).
+by the seed, loss on assistant tokens only (``data.py``): the sum of the batch's token losses over
+its number of predicted tokens.
+
+Under torchrun or accelerate launch (``runtime/process_group.py``, ``distributed.py``) every rank
+loads the model, takes its slice of each global batch of ``batch_size`` conversations and adds its
+gradients to the others';
+the steps are those of one process on the whole batch. Dropout masks come from a generator seeded
+by (seed, step, rank) each step, so a resumed run draws the masks an unbroken one would.
 
 Checkpoints (``OUTPUT/checkpoint``: the adapter in PEFT's format, plus ``trainer_state.pt`` with the
-optimizer state, the step, torch's RNG state and the run's settings) are written into a temporary
-directory and renamed into place. ``resume=True`` restores all of it, so a resumed run takes the
-same steps, with the same data and dropout masks, as one that never stopped. The final adapter
-goes to ``OUTPUT/adapter`` (``adapter_model.safetensors`` + ``adapter_config.json``).
+optimizer state, the loss of every step so far and the run's settings) are written by rank 0 into a temporary directory
+and renamed into place. ``resume=True`` restores them (rank 0 reads and sends them to the others,
+so hosts need not share a filesystem), at the same or another world size, and a resumed run takes
+the steps one that never stopped would. The final adapter goes to ``OUTPUT/adapter``
+(``adapter_model.safetensors`` + ``adapter_config.json``).
 """
 
 from __future__ import annotations
@@ -24,12 +32,24 @@ from typing import Any
 import torch
 
 from ..checkpoint.atomic import atomic_dir
+from ..runtime.process_group import (
+    RankLostError,
+    Ranks,
+    barrier,
+    broadcast_object,
+    join,
+    leave,
+    ranks_from_env,
+    share_cpus,
+)
 from .data import Example, collate, load_chat_dataset
+from .distributed import broadcast_parameters, sum_gradients, sum_values
 from .load import load_for_training
 from .peft_wrap import get_peft_model, host_module_names, per_expert_targets, save_adapter, write_adapter
 from .placeholders import placeholders
 
 STATE_FILE = "trainer_state.pt"
+ALONE = Ranks()  # one process, no launcher
 # Settings that must not change between a run and its resumption (they change what a step does).
 RESUME_FIXED = (
     "data",
@@ -101,18 +121,25 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
 
 
-def mean_loss(model: Any, examples: list[Example], batch_size: int, pad_id: int, device: torch.device) -> float:
-    """Mean loss per assistant token over ``examples`` (no dropout, no gradients)."""
+def mean_loss(
+    model: Any, examples: list[Example], batch_size: int, pad_id: int, device: torch.device, ranks: Ranks = ALONE
+) -> float:
+    """Mean loss per predicted assistant token over ``examples`` (no dropout, no gradients); under
+    several ranks each scores its share and the sums are added."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    mine = ranks.take(examples)
     with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
-            n = int((batch["labels"][:, 1:] != -100).sum())
+        for start in range(0, len(mine), batch_size):
+            chunk = mine[start : start + batch_size]
+            n = sum(e.predicted_tokens for e in chunk)
             if n:
-                total += float(model(**batch).loss) * n
+                batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
+                total += float(model(**batch, num_items_in_batch=1).loss)  # the chunk's sum of token losses
                 count += n
+    if ranks.distributed:
+        total, count = sum_values(ranks, [total, count])
     model.train(was_training)
     return total / max(count, 1)
 
@@ -121,9 +148,17 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
 
 
-def save_checkpoint(model: Any, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig, where: Path) -> None:
-    """Adapter + optimizer + step + RNG + settings into ``where``, atomically (temp dir, rename)."""
-    state = {"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "fixed": cfg.fixed()}
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's dropout masks at ``step`` (independent of how the run got there)."""
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
+def save_checkpoint(
+    model: Any, optimizer: torch.optim.Optimizer, losses: list[float], cfg: TrainConfig, where: Path
+) -> None:
+    """Adapter + optimizer + step + the loss of every step so far + settings into ``where``,
+    atomically (temp dir, rename)."""
+    state = {"step": len(losses), "losses": list(losses), "optimizer": optimizer.state_dict(), "fixed": cfg.fixed()}
     with atomic_dir(where) as tmp:
         write_adapter(model, tmp)
         torch.save(state, tmp / STATE_FILE)
@@ -143,29 +178,59 @@ def read_checkpoint_state(cfg: TrainConfig, where: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, where: Path) -> int:
+def load_checkpoint(
+    model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, where: Path, ranks: Ranks = ALONE
+) -> list[float]:
+    """Restores the adapter and optimizer of ``where``; returns its steps' losses (as many as the
+    steps it has taken). Rank 0 reads the files."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    state = read_checkpoint_state(cfg, where)
+    payload: Any = None
+    if ranks.main:
+        payload = (read_checkpoint_state(cfg, where), load_file(str(where / "adapter_model.safetensors")))
+    if ranks.distributed:
+        payload = broadcast_object(ranks, payload)
+    state, adapter = payload
     with per_expert_targets():
-        result = set_peft_model_state_dict(model, load_file(str(where / "adapter_model.safetensors")))
+        result = set_peft_model_state_dict(model, adapter)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise ValueError(f"--resume: the checkpoint's adapter has keys this model lacks: {unexpected[:3]}")
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
-    return int(state["step"])
+    return [float(x) for x in state["losses"]]
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Fine-tune as configured (module docstring); returns losses, eval losses and the adapter path."""
+    """Fine-tune as configured (module docstring); returns losses, eval losses and the adapter path.
+
+    Under a launcher (torchrun, accelerate launch) this is one rank's part: every rank returns the
+    same losses and model; only rank 0 writes files.
+    """
+    ranks = ranks_from_env()
+    _check(cfg)
+    if cfg.batch_size < ranks.world:
+        raise ValueError(
+            f"batch-size {cfg.batch_size} is the global batch (conversations a step over all ranks); with "
+            f"{ranks.world} processes it must be at least {ranks.world}"
+        )
+    device = torch.device(cfg.device)
+    if ranks.main and cfg.resume:
+        read_checkpoint_state(cfg, Path(cfg.output) / "checkpoint")  # fail before the slow part
+    join(ranks, device)
+    try:
+        return _train(cfg, ranks, device)
+    except RankLostError as exc:
+        where = Path(cfg.output) / "checkpoint"
+        raise RankLostError(f"{exc}; the job stops. Start it again with --resume (from {where})") from exc
+    finally:
+        leave(ranks)
+
+
+def _train(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> TrainResult:
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    _check(cfg)
-    if cfg.resume:
-        read_checkpoint_state(cfg, Path(cfg.output) / "checkpoint")  # fail before the slow part
     if cfg.model is None:
         from ..models.default import default_model_path
 
@@ -184,55 +249,82 @@ def train(cfg: TrainConfig) -> TrainResult:
     if pad_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has neither a pad nor an eos token to pad batches with")
 
-    torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device)
+    if device.type == "cpu":
+        share_cpus(ranks)
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank
     model = load_for_training(model_dir, cfg.method, device=device, dtype=cfg.dtype, recompute=cfg.recompute)
     targets = cfg.targets or list(host_module_names(model))
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
     model = get_peft_model(model, lora)
     params = [p for p in model.parameters() if p.requires_grad]
+    if ranks.distributed:
+        broadcast_parameters(ranks, params)  # rank 0's, whatever another rank's RNG did
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
 
     per_epoch = math.ceil(len(train_set) / cfg.batch_size)
     total = cfg.max_steps or cfg.epochs * per_epoch
     out = Path(cfg.output)
     ckpt = out / "checkpoint"
-    step = load_checkpoint(model, optimizer, cfg, ckpt) if cfg.resume else 0
+    history = load_checkpoint(model, optimizer, cfg, ckpt, ranks) if cfg.resume else []
+    step = len(history)
     result = TrainResult(steps=step)
     if eval_set:
-        result.eval_before = mean_loss(model, eval_set, cfg.batch_size, pad_id, device)
+        result.eval_before = mean_loss(model, eval_set, cfg.batch_size, pad_id, device, ranks)
 
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=step, desc="sft", unit="step", file=sys.stderr, disable=not cfg.progress)
+    show = cfg.progress and ranks.main
+    bar = tqdm(total=total, initial=step, desc="sft", unit="step", file=sys.stderr, disable=not show)
     model.train()
     started = time.perf_counter()
     while step < total:
         epoch, index = divmod(step, per_epoch)
         order = _order(len(train_set), cfg.seed, epoch)
         chosen = [train_set[i] for i in order[index * cfg.batch_size : (index + 1) * cfg.batch_size]]
-        batch = {k: v.to(device) for k, v in collate(chosen, pad_id).items()}
+        predicted = sum(e.predicted_tokens for e in chosen)  # over the global batch: the loss's divisor
+        mine = ranks.take(chosen)
         t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
+        torch.manual_seed(_step_seed(cfg.seed, step, ranks.rank))
+        loss_value, tokens = 0.0, 0
+        if mine:
+            batch = {k: v.to(device) for k, v in collate(mine, pad_id).items()}
+            loss = model(**batch, num_items_in_batch=max(predicted, 1)).loss
+            loss.backward()
+            loss_value, tokens = float(loss.detach()), int(batch["attention_mask"].sum())
+        if ranks.distributed:
+            sum_gradients(ranks, params)
+            loss_value, tokens = sum_values(ranks, [loss_value, tokens])
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        tokens = int(batch["attention_mask"].sum())
-        result.tokens += tokens
-        result.losses.append(float(loss.detach()))
+        result.tokens += int(tokens)
+        result.losses.append(loss_value)
+        history.append(loss_value)
         bar.update(1)
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}", tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < total:
-            save_checkpoint(model, optimizer, step, cfg, ckpt)
+            _save(model, optimizer, history, cfg, ckpt, ranks)
     bar.close()
     result.seconds = time.perf_counter() - started
     placeholders(model)  # nothing re-materialised the experts during training
-    save_checkpoint(model, optimizer, step, cfg, ckpt)
-    result.adapter = save_adapter(model, out / "adapter")
+    _save(model, optimizer, history, cfg, ckpt, ranks)
+    result.adapter = out / "adapter"
+    if ranks.main:
+        save_adapter(model, result.adapter)
+    barrier(ranks)
     if eval_set:
-        result.eval_after = mean_loss(model, eval_set, cfg.batch_size, pad_id, device)
+        result.eval_after = mean_loss(model, eval_set, cfg.batch_size, pad_id, device, ranks)
     result.steps = step
     result.model = model
     return result
+
+
+def _save(
+    model: Any, optimizer: torch.optim.Optimizer, losses: list[float], cfg: TrainConfig, where: Path, ranks: Ranks
+) -> None:
+    """Rank 0 writes the checkpoint (every rank holds the same adapter and optimizer state); the
+    others wait, so that no rank runs ahead of a checkpoint that may be the one a resume reads."""
+    if ranks.main:
+        save_checkpoint(model, optimizer, losses, cfg, where)
+    barrier(ranks)
