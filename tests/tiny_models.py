@@ -169,6 +169,10 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     import transformers
 
     fields = {**_COMMON, **ARCH_CONFIGS[model_type], **overrides}
+    if "qk_rope_head_dim" in fields and "head_dim" not in overrides:
+        # MLA's rotary embedding is sized by head_dim, which DeepSeek's configs set to the rope part
+        # (qk_rope_head_dim); _COMMON's GQA head_dim would size it wrong for a whole forward.
+        fields["head_dim"] = fields["qk_rope_head_dim"]
     return transformers.CONFIG_MAPPING[model_type](**fields)
 
 

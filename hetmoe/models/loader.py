@@ -40,9 +40,11 @@ from ..gc_pause import gc_paused
 from ..kernels.dispatch import set_num_threads
 from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
+from ..runtime.expert_parallel import RemoteExperts, serve_experts
 from ..runtime.hybrid import ExpertBackend, HybridMoE
 from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
 from ..runtime.placement import plan_placement
+from ..runtime.process_group import leave
 from ..runtime.session import HybridRuntime, check_modes
 from ..runtime.stats import RuntimeStats, load_routing
 from ..runtime.stored_embedding import StoredEmbedding
@@ -51,6 +53,7 @@ from .adapters import MoEAdapter, adapter_class
 from .cpu_attention import use_cpu_attention
 from .delta_rule import install_delta_rule
 from .dense_engine import STORED, DenseConverter, resolve_dense_method
+from .expert_parallel_load import placements, shard, start_group, stop_at_exit
 from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
@@ -88,6 +91,8 @@ def load_model(
     dense_group_size: int | None = None,
     check_memory: bool = True,
     progress: bool | None = None,
+    expert_parallel: int | None = None,
+    expert_placement: str = "id",
 ) -> Any:
     """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
 
@@ -119,6 +124,11 @@ def load_model(
     device memory, else PlanError. ``progress``: a bar over the experts' bytes while they load (layers,
     GB, GB/s) on stderr; None shows it where stderr is a terminal.
 
+    ``expert_parallel``: N processes share each layer's routed experts (models/expert_parallel_load.py):
+    start N ranks (torchrun) that all call ``load_model`` alike; rank 0 gets the model, the others
+    serve their experts and leave when rank 0's process ends. ``expert_placement``: ``"id"``
+    (contiguous blocks of expert ids) or ``"load"`` (balanced by ``routing_stats``' counts).
+
     The returned model carries ``model.hetmoe`` (a HybridRuntime): placement, timing, routing
     statistics (``save_routing_stats()``).
     """
@@ -149,8 +159,20 @@ def load_model(
     if expert_backend not in ("auto", "engine", "torch"):
         raise ValueError(f"expert_backend {expert_backend!r}: expected 'auto', 'engine' or 'torch'")
     dense_method = resolve_dense_method(dense_method, dev)  # None on a CPU load: as stored (dense_engine.py)
+    ranks = None
+    if expert_parallel is not None:
+        incompatible = {
+            "gpu_experts": gpu_experts or gpu_experts_total,
+            "prefill_threshold": prefill_threshold,
+            "defer_experts": defer_experts,
+            "replace_every": replace_every,
+            "expert_backend='torch'": expert_backend == "torch",
+        }
+        ranks = start_group(expert_parallel, expert_placement, incompatible)
     if cpu_threads is not None:
         set_num_threads(cpu_threads)
+    if ranks is not None and not ranks.main:
+        _serve_expert_share(source, layout, adapter, method, params, ranks, expert_placement, routing_stats, config)
     if check_memory:
         plan_memory(
             p,
@@ -170,6 +192,7 @@ def load_model(
     plan = plan_placement(
         placement, layout.moe_layers, layout.num_experts, gpu_experts, gpu_experts_total, frequencies, seed
     )
+    shares = placements(layout, ranks.world, expert_placement, frequencies) if ranks is not None else {}
 
     model = _meta_model(config, model_dtype)
     stats = RuntimeStats(layout.num_experts, layout.top_k, layout.model_type, record_routing=record_routing is not None)
@@ -206,7 +229,11 @@ def load_model(
             bar.set_postfix_str(f"layers {index + 1}/{len(layout.moe_layers)}", refresh=False)
             bar.update(layer_keys[layer][1])
             release_freed_memory()  # the reader's validation and conversion temporaries
-            backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
+            if ranks is not None:  # this rank's share here, the rest on the other ranks
+                own = _cpu_backend(shard(experts, shares[layer], 0), adapter, layout, gemv_max_tokens, expert_backend)
+                backend: ExpertBackend = RemoteExperts(ranks, layer, shares[layer], own)
+            else:
+                backend = _cpu_backend(experts, adapter, layout, gemv_max_tokens, expert_backend)
             methods.add(backend.gate.method)
             hybrids[layer].attach(backend, plan.get(layer, []), experts.biases)
             if replace_every:
@@ -248,8 +275,38 @@ def load_model(
     if dev.type == "cpu" and torch_threads_note:
         runtime.notes.append(torch_threads_note)
     runtime.layer_paths = layer_paths(model)
+    if ranks is not None:
+        runtime.notes.append(f"experts split over {ranks.world} processes ({expert_placement} placement)")
+        stop_at_exit(ranks)
     model.hetmoe = runtime
     return model
+
+
+def _serve_expert_share(
+    source: TensorSource,
+    layout: MoELayout,
+    adapter: MoEAdapter,
+    method: str | None,
+    params: dict[str, Any],
+    ranks: Any,
+    how: str,
+    routing_stats: str | Path | None,
+    config: Any,
+) -> None:
+    """An expert rank's whole life: read its share of every layer, serve rank 0, leave (never returns)."""
+    frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
+    shares = placements(layout, ranks.world, how, frequencies)
+    backends = {}
+    for layer in layout.moe_layers:
+        experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
+        backends[layer] = _cpu_backend(shard(experts, shares[layer], ranks.rank), adapter, layout, None, "engine")
+        del experts
+        release_freed_memory()
+    try:
+        serve_experts(ranks, backends, int(config.hidden_size))
+    finally:
+        leave(ranks)
+    raise SystemExit(0)
 
 
 # --- configuration -------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
     return Ranks(rank=rank, world=world, local_rank=local_rank, local_world=local_world)
 
 
-def join(ranks: Ranks, device: torch.device) -> None:
+def join(ranks: Ranks, device: torch.device, timeout: timedelta = TIMEOUT) -> None:
     """The default process group, from the launcher's environment (nothing for one process)."""
     import torch.distributed as dist
 
@@ -103,7 +103,7 @@ def join(ranks: Ranks, device: torch.device) -> None:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device.index if device.index is not None else ranks.local_rank)
-    dist.init_process_group(backend=backend, rank=ranks.rank, world_size=ranks.world, timeout=TIMEOUT)
+    dist.init_process_group(backend=backend, rank=ranks.rank, world_size=ranks.world, timeout=timeout)
 
 
 def leave(ranks: Ranks) -> None:
