@@ -23,12 +23,15 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> Iterator[ServeProcess]:
-    """Run ``hetmoe serve ARGS --port P`` until /health answers; stop it with SIGINT (Ctrl-C) on exit."""
+def serve_process(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 120, launcher: list[str] | None = None
+) -> Iterator[ServeProcess]:
+    """Run ``hetmoe serve ARGS --port P`` until /health answers; stop it with SIGINT (Ctrl-C) on exit.
+    ``launcher``: what runs ``hetmoe`` (default this Python; e.g. torchrun's ``... -m`` for several ranks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "hetmoe.cli.main", "serve", *args, "--port", str(port)]
+    cmd = [*(launcher or [sys.executable, "-m"]), "hetmoe", "serve", *args, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env or dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     running = ServeProcess(f"http://127.0.0.1:{port}")
     try:

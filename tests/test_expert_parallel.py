@@ -78,6 +78,70 @@ def test_default_model_with_placement_by_recorded_load(tmp_path) -> None:
     assert "experts split over 2 processes (load placement)" in got["notes"]
 
 
+def test_serve_expert_parallel_answers_as_one_process(tmp_path) -> None:
+    """``hetmoe serve --expert-parallel 2`` under torchrun, driven by the openai client: the greedy
+    completion is the one-process server's."""
+    from openai import OpenAI
+    from serve_process import serve_process
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    request = {"model": "hetmoe-default", "prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+    answers = []
+    for extra, run_with in (([], None), (["--expert-parallel", "2"], launcher)):
+        with serve_process(extra, env=_env(), timeout=TIMEOUT, launcher=run_with) as server:
+            client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+            reply = client.completions.create(**request)
+            answers.append((reply.choices[0].text, reply.usage.completion_tokens))
+    assert answers[0][1] == 24 and answers[1] == answers[0]
+
+
+def test_serve_fails_requests_when_a_rank_dies(tmp_path) -> None:
+    """The two ranks of ``hetmoe serve --expert-parallel 2`` started without an agent (as on two
+    hosts); rank 1 is killed; the server answers the next requests with an error naming the lost
+    rank, quickly, rather than hanging, and /health says it cannot serve."""
+    import httpx
+    from serve_process import serve_process
+
+    port = str(_free_port())
+    base = _env() | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "1"}
+    command = [sys.executable, "-m", "hetmoe", "serve", "--expert-parallel", "2", "--port", str(_free_port())]
+    expert_rank = subprocess.Popen(command, env=base | {"RANK": "1", "LOCAL_RANK": "0"}, stderr=subprocess.PIPE)
+    request = {"model": "hetmoe-default", "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
+    try:
+        with serve_process(["--expert-parallel", "2"], env=base | {"RANK": "0", "LOCAL_RANK": "0"}) as server:
+            ok = httpx.post(server.url + "/v1/completions", json=request, timeout=60)
+            assert ok.status_code == 200, ok.text
+            os.kill(expert_rank.pid, signal.SIGKILL)
+            expert_rank.communicate()
+            for _ in range(2):  # the next requests fail, each within the timeout
+                failed = httpx.post(server.url + "/v1/completions", json=request, timeout=60)
+                assert failed.status_code >= 500, failed.text
+                assert "lost the other ranks" in failed.json()["error"]["message"], failed.text
+            health = httpx.get(server.url + "/health", timeout=10)
+            assert health.status_code == 503 and "lost the other ranks" in health.json()["detail"]
+    finally:
+        if expert_rank.poll() is None:
+            expert_rank.kill()
+            expert_rank.communicate()
+
+
+def test_plan_states_each_ranks_share(tiny_cache) -> None:
+    from hetmoe.models.planner import RAM_RESERVE, plan_memory
+
+    path = tiny_cache.model("qwen3_moe")
+    whole = plan_memory(path, ram="64GiB")
+    ranks = [plan_memory(path, ram="64GiB", expert_parallel=3, rank=r) for r in range(3)]
+    per = whole.expert_bytes * whole.moe_layers  # one expert of every layer
+    assert [p.cpu_expert_bytes for p in ranks] == [2 * per, 3 * per, 3 * per]  # 8 experts as 2 + 3 + 3
+    assert sum(p.cpu_expert_bytes for p in ranks) == whole.cpu_expert_bytes
+    # rank 0 also holds the non-expert weights and the KV cache; an expert rank only its experts
+    assert ranks[0].ram_need - ranks[0].cpu_expert_bytes == whole.ram_need - whole.cpu_expert_bytes
+    r1 = ranks[1]
+    assert r1.ram_need == r1.cpu_expert_bytes + r1.conversion_bytes + r1.reserve(r1.ram, RAM_RESERVE)
+    assert whole.dense_bytes > 0 and r1.ram_need < ranks[0].ram_need
+    assert "expert parallel" in dict(ranks[1].rows())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -58,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "examples:\n"
             '  hetmoe generate "def fibonacci(n):"                      # the embedded default model\n'
             '  hetmoe generate --method int4 --chat "What does `json.dumps` do?"\n'
+            '  torchrun --nproc-per-node 2 -m hetmoe generate MODEL --expert-parallel 2 "def f(x):"\n'
             '  hetmoe generate /models/Qwen3-30B-A3B "The capital of France is"\n'
             '  hetmoe generate /models/Qwen3-30B-A3B-Q4_K_M.gguf "The capital of France is"\n'
             '  hetmoe generate /models/DeepSeek-V3 "Hi" --method int4 --device cuda --gpu-experts 8\n'
@@ -92,6 +93,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split each layer's routed experts over the N processes this command runs in, started by "
+        "torchrun --nproc-per-node N (or --nnodes): rank 0 runs the model, the others only their experts",
+    )
+    p.add_argument(
+        "--expert-placement",
+        choices=("id", "load"),
+        default="id",
+        help="with --expert-parallel: experts to ranks by id blocks, or balanced by --routing-stats' counts",
+    )
+    p.add_argument("--routing-stats", metavar="FILE", help="routing counts recorded by an earlier run (for load)")
     p.add_argument(
         "--prefill-threshold",
         type=int,
@@ -262,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
         prefill_threshold=args.prefill_threshold,
         defer_experts=args.defer_experts,
         dense_method=args.dense_method,
+        expert_parallel=args.expert_parallel,
+        expert_placement=args.expert_placement,
+        routing_stats=args.routing_stats,
     )
     runtime = model.hetmoe
     print(f"loaded {model_dir} in {runtime.load_seconds:.2f} s: {runtime.summary(args.verbose)}", file=sys.stderr)

@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  hetmoe plan /models/Qwen3-30B-A3B --method int4\n"
             "  hetmoe plan /models/Qwen3-30B-A3B --method int4 --dense-method int8 --ram 24GiB --context 8192\n"
-            "  hetmoe plan /models/DeepSeek-V3 --device cuda --device-memory 24GiB --gpu-experts 4"
+            "  hetmoe plan /models/DeepSeek-V3 --device cuda --device-memory 24GiB --gpu-experts 4\n"
+            "  hetmoe plan /models/Kimi-K2 --expert-parallel 4 --ram 256GiB    # rank 0's share and needs\n"
+            "  hetmoe plan /models/Kimi-K2 --expert-parallel 4 --rank 1 --ram 256GiB"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -33,6 +35,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", metavar="SIZE", help="usable device memory, e.g. 24GiB (default: measured free)")
     p.add_argument("--ram", metavar="SIZE", help="usable RAM, e.g. 64GiB (default: MemAvailable)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the experts split over N processes (load_model's expert_parallel): each rank's share and RAM",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --expert-parallel: whose RAM to check (default 0, the rank that also runs the model)",
+    )
     p.add_argument(
         "--context",
         type=int,
@@ -54,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         device_memory=args.device_memory,
         ram=args.ram,
         group_size=args.group_size,
+        expert_parallel=args.expert_parallel,
+        rank=args.rank,
     )
     print(plan.table())
     return 0 if not plan.problems() else 1

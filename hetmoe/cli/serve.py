@@ -31,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "  hetmoe serve /models/Qwen3-30B-A3B --method int4 --port 8080 --max-batch 16\n"
             "  hetmoe serve --lora runs/sft/adapter\n"
             "  hetmoe serve /models/Qwen3-30B-A3B-Q4_K_M.gguf\n"
+            "  torchrun --nproc-per-node 2 -m hetmoe serve /models/Qwen3-30B-A3B --expert-parallel 2\n"
             "  HETMOE_API_KEY=secret hetmoe serve ./my-model --host 0.0.0.0\n"
             "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             '       -d \'{"model": "hetmoe-default", "messages": [{"role": "user", "content": "Hi"}]}\''
@@ -51,6 +52,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", metavar="DIR", help="a LoRA adapter saved by `hetmoe sft train` (PEFT format) to apply")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split each layer's routed experts over the N processes this command runs in, started by "
+        "torchrun --nproc-per-node N (or --nnodes): rank 0 runs the model, the others only their experts",
+    )
+    p.add_argument(
+        "--expert-placement",
+        choices=("id", "load"),
+        default="id",
+        help="with --expert-parallel: experts to ranks by id blocks, or balanced by --routing-stats' counts",
+    )
+    p.add_argument("--routing-stats", metavar="FILE", help="routing counts recorded by an earlier run (for load)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype (default: the config's)")
     p.add_argument("--threads", type=int, default=None, help="CPU engine threads (default: every usable CPU)")
     p.add_argument(
@@ -132,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         gpu_experts=args.gpu_experts,
+        expert_parallel=args.expert_parallel,
+        expert_placement=args.expert_placement,
+        routing_stats=args.routing_stats,
     )
     if args.lora:
         from ..sft.inference import apply_adapter

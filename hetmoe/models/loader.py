@@ -171,8 +171,6 @@ def load_model(
         ranks = start_group(expert_parallel, expert_placement, incompatible)
     if cpu_threads is not None:
         set_num_threads(cpu_threads)
-    if ranks is not None and not ranks.main:
-        _serve_expert_share(source, layout, adapter, method, params, ranks, expert_placement, routing_stats, config)
     if check_memory:
         plan_memory(
             p,
@@ -185,7 +183,11 @@ def load_model(
             dtype=model_dtype,
             source=source,
             layout=layout,
+            expert_parallel=ranks.world if ranks is not None else 1,
+            rank=ranks.rank if ranks is not None else 0,
         ).check()
+    if ranks is not None and not ranks.main:
+        _serve_expert_share(source, layout, adapter, method, params, ranks, expert_placement, routing_stats, config)
 
     check_modes(prefill_threshold, prefill_chunk_bytes, defer_experts, layout.top_k)
     frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None

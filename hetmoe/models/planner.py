@@ -122,6 +122,8 @@ class MemoryPlan:
     ram_measured: bool = True
     device_measured: bool = True
     notes: list[str] = field(default_factory=list)
+    expert_parallel: int = 1  # processes sharing each layer's routed experts
+    rank: int = 0  # the process this plan's RAM figures are for (0: the one that runs the model)
 
     # --- derived -----------------------------------------------------------------------------
     @property
@@ -133,11 +135,16 @@ class MemoryPlan:
     def layer_expert_bytes(self) -> int:
         return self.expert_bytes * self.experts
 
+    def experts_on(self, rank: int) -> int:
+        """Experts of a layer ``rank`` holds (placement by id or by load deals the same counts)."""
+        n = self.expert_parallel
+        return (rank + 1) * self.experts // n - rank * self.experts // n
+
     @property
     def cpu_expert_bytes(self) -> int:
         # Device experts stay in CPU memory too: the engine skips them by mask, and dynamic
-        # re-placement copies from there.
-        return self.layer_expert_bytes * self.moe_layers
+        # re-placement copies from there. Under expert parallelism, this rank's share.
+        return self.expert_bytes * self.experts_on(self.rank) * self.moe_layers
 
     @property
     def gpu_expert_bytes(self) -> int:
@@ -161,7 +168,7 @@ class MemoryPlan:
     @property
     def ram_need(self) -> int:
         need = self.cpu_expert_bytes + self.conversion_bytes + self.reserve(self.ram, RAM_RESERVE)
-        if not self.on_device:
+        if not self.on_device and self.rank == 0:  # an expert rank holds nothing but its experts
             need += self.dense_bytes + self.kv_bytes
         return need
 
@@ -235,7 +242,10 @@ class MemoryPlan:
             ("model", f"{self.model} ({self.model_type})"),
             ("experts", f"{self.experts} per layer x {self.moe_layers} MoE layers, top-{self.top_k}, {self.method}"),
             ("one expert", f"{human(self.expert_bytes)} on the CPU, {human(self.expert_device_bytes)} on a device"),
-            ("routed experts (RAM)", f"{human(self.layer_expert_bytes)} per layer, {human(self.cpu_expert_bytes)} all"),
+            (
+                "routed experts (RAM)",
+                f"{human(self.layer_expert_bytes)} per layer, {human(self.layer_expert_bytes * self.moe_layers)} all",
+            ),
             ("non-expert weights", f"{human(self.dense_bytes)} on {self.device}{dense}"),
             ("KV cache per token", f"{human(self.kv_bytes_per_token)} ({self.kv_note})"),
             (f"KV cache for {self.context} tokens", human(self.kv_bytes)),
@@ -249,6 +259,12 @@ class MemoryPlan:
                 ("device needs", human(self.device_need)),
                 ("max device experts", f"{self.max_gpu_experts} per layer (with {self.context} tokens of KV cache)"),
             ]
+        if self.expert_parallel > 1:
+            per = self.expert_bytes * self.moe_layers  # one expert of every layer
+            share = [(r, self.experts_on(r)) for r in range(self.expert_parallel)]
+            split = "; ".join(f"rank {r}: {n} experts a layer, {human(per * n)}" for r, n in share)
+            rows.append(("expert parallel", f"{self.expert_parallel} processes ({split})"))
+            rows.append(("this plan's RAM", f"rank {self.rank}'s" + (" (and the model's)" if self.rank == 0 else "")))
         rows += [("note", note) for note in self.notes]
         rows += [
             ("RAM", f"{human(self.ram)} ({'available, measured' if self.ram_measured else 'given'})"),
@@ -283,12 +299,18 @@ def plan_memory(
     dtype: torch.dtype | None = None,
     source: TensorSource | None = None,
     layout: MoELayout | None = None,
+    expert_parallel: int = 1,
+    rank: int = 0,
 ) -> MemoryPlan:
     """The plan for ``path`` loaded as ``load_model(path, method, device, gpu_experts, dense_method=...)``.
 
     ``device_memory``/``ram``: bytes or a size string; measured when None (free CUDA memory;
     MemAvailable). ``source``/``layout``: the caller's already opened checkpoint (load_model).
+    ``expert_parallel``/``rank``: the experts split over that many processes; the RAM figures are
+    ``rank``'s (rank 0 also holds the non-expert weights and the KV cache).
     """
+    if expert_parallel < 1 or not 0 <= rank < expert_parallel:
+        raise ValueError(f"expert_parallel={expert_parallel}, rank={rank}: expected 0 <= rank < expert_parallel")
     p = Path(path)
     config = read_config(p)
     source = source if source is not None else open_source(p)
@@ -354,6 +376,8 @@ def plan_memory(
         ram_measured=ram is None,
         device_measured=device_measured,
         notes=notes,
+        expert_parallel=int(expert_parallel),
+        rank=int(rank),
     )
 
 

@@ -109,6 +109,8 @@ def create_app(
     async def health() -> JSONResponse:
         if not scheduler.alive:
             return JSONResponse({"status": "error", "detail": "the generation worker is not running"}, 503)
+        if scheduler.broken:
+            return JSONResponse({"status": "error", "detail": scheduler.broken}, 503)
         return JSONResponse({"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting})
 
     document = openapi_document(served.name, served.max_model_len, api_key is not None)

@@ -284,7 +284,10 @@ def openapi_document(model_name: str, max_model_len: int, api_key: bool) -> dict
                 "security": [],
                 "responses": {
                     "200": {"description": "serving", "content": _json("Health")},
-                    "503": {"description": "the generation worker is not running", "content": _json("HealthDown")},
+                    "503": {
+                        "description": "the generation worker is not running, or an expert rank is lost",
+                        "content": _json("HealthDown"),
+                    },
                 },
             }
         },

@@ -17,7 +17,8 @@ each running request keeps its own cache and the step runs one forward per reque
 Results leave through each request's ``sink`` (called on the worker thread) as :class:`Delta`,
 :class:`Finished` or :class:`Failed` events. An exception in a prefill fails that request; one in a
 decode forward fails the requests of that forward (which row caused it cannot be told) and clears
-the batch; the worker itself keeps serving.
+the batch; the worker itself keeps serving. A lost expert rank (RankLostError) also marks the
+scheduler ``broken``: /health then answers 503 until the job is restarted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from ..models.loader import release_freed_memory
+from ..runtime.process_group import RankLostError
 from .kv_batch import PaddedBatch, batchable
 from .metrics import Metrics
 from .sampling import NGramBan, SamplingParams, SeenTokens, make_generator, sample_token
@@ -130,6 +132,9 @@ class Scheduler:
         self._batch = PaddedBatch()
         self._batched: bool | None = None  # decided by the first prefill: can caches be padded into a batch?
         self._stop = False
+        # Set when the expert ranks of an expert-parallel model are gone: every forward will fail
+        # until the job is restarted, so /health says so (runtime/expert_parallel.py).
+        self.broken: str | None = None
         self._thread: threading.Thread | None = None
         # Held across an event's check and delivery: after stop() gives up waiting for a worker that is
         # still mid-step, it fails the sequences while that worker may still emit their Deltas.
@@ -393,6 +398,8 @@ class Scheduler:
             self.metrics.cancelled.inc()
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        if isinstance(exc, RankLostError):
+            self.broken = str(exc)
         self._retire(seq)
         with self.metrics.lock:
             self.metrics.failed.inc()

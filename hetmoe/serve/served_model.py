@@ -73,6 +73,9 @@ def load_served_model(
     max_model_len: int | None = None,
     dtype: str | None = None,
     gpu_experts: int = 0,
+    expert_parallel: int | None = None,
+    expert_placement: str = "id",
+    routing_stats: str | None = None,
 ) -> ServedModel:
     """Load ``path`` with :func:`hetmoe.load_model` and its tokenizer; a clear ValueError for what is missing."""
     from ..models.loader import load_model
@@ -81,8 +84,16 @@ def load_served_model(
     directory = Path(path)
     tokenizer = load_tokenizer(directory, "serving")
     worker_tokenizer = load_tokenizer(directory, "serving")
-    model = load_model(
-        directory, method=method, device=device, cpu_threads=threads, dtype=dtype, gpu_experts=gpu_experts
+    model = load_model(  # under expert parallelism, only rank 0 returns (models/expert_parallel_load.py)
+        directory,
+        method=method,
+        device=device,
+        cpu_threads=threads,
+        dtype=dtype,
+        gpu_experts=gpu_experts,
+        expert_parallel=expert_parallel,
+        expert_placement=expert_placement,
+        routing_stats=routing_stats,
     )
     config = model.config
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
