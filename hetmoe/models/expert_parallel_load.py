@@ -47,9 +47,9 @@ def start_group(expert_parallel: int, placement: str, incompatible: dict[str, An
 
     import torch.distributed as dist
 
+    share_cpus(ranks)  # first: the group's socket threads then start on this rank's CPUs too
     if ranks.distributed and not dist.is_initialized():
         join(ranks, torch.device("cpu"), timeout=timedelta(days=IDLE_TIMEOUT_DAYS))
-    share_cpus(ranks)
     return ranks
 
 
@@ -84,12 +84,12 @@ def shard(experts: LayerExperts, placement: ExpertPlacement, rank: int) -> Layer
     )
 
 
-def stop_at_exit(ranks: Ranks) -> None:
+def stop_at_exit(ranks: Ranks, hidden: int, top_k: int) -> None:
     """Rank 0: when this process ends, the expert ranks are told to return, and the group closes."""
 
     def stop() -> None:
         with contextlib.suppress(Exception):  # a rank already gone has nothing to stop
-            stop_experts(ranks)
+            stop_experts(ranks, hidden, top_k)
         leave(ranks)
 
     atexit.register(stop)

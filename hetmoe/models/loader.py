@@ -279,7 +279,7 @@ def load_model(
     runtime.layer_paths = layer_paths(model)
     if ranks is not None:
         runtime.notes.append(f"experts split over {ranks.world} processes ({expert_placement} placement)")
-        stop_at_exit(ranks)
+        stop_at_exit(ranks, int(config.hidden_size), layout.top_k)
     model.hetmoe = runtime
     return model
 
@@ -305,7 +305,7 @@ def _serve_expert_share(
         del experts
         release_freed_memory()
     try:
-        serve_experts(ranks, backends, int(config.hidden_size))
+        serve_experts(ranks, backends, int(config.hidden_size), layout.top_k)
     finally:
         leave(ranks)
     raise SystemExit(0)

@@ -4,13 +4,17 @@ Rank 0 runs the model (attention, routers, dense layers, sampling, the server) a
 each layer's experts; every other rank holds only its share and runs ``serve_experts``. A MoE layer
 on rank 0 (``RemoteExperts``, the CPU backend its HybridMoE calls) then:
 
-1. broadcasts a header: the layer, the token count, the top-k and how many token rows each rank gets;
-2. sends each rank, in one all-to-all, the rows of the tokens routed to at least one of its experts:
-   the hidden state in float32, the top-k ids renumbered to the rank's own experts (-1 for another
-   rank's) and the top-k weights;
-3. starts its own share in its engine while the others compute theirs (the same row layout);
-4. collects, in a second all-to-all, each rank's weighted sum over its experts (float32) and adds
-   the rows into its own.
+1. sends each rank that has work, asynchronously, the rows of the tokens routed to at least one of
+   its experts: a header (the layer, the row count, the top-k), then per row the hidden state in
+   float32, the top-k ids renumbered to the rank's own experts (-1 for another rank's) and the
+   top-k weights. A decode step's row travels in the header's message: one message out;
+2. starts its own share in its engine while the others compute theirs (the same row layout);
+3. receives each rank's weighted sums over its experts (float32, one message back) and adds the
+   rows into its own.
+
+Point-to-point messages rather than collectives: a rank with no token in a call hears nothing,
+and a decode step costs one message each way per rank (gloo's collectives took three round trips
+and 0.85 ms a layer on loopback, bench/bench_expert_parallel.py).
 
 The partial sums travel in float32 and are added before the one rounding to the model's dtype, so
 the layer's output differs from one process's by the order of a float32 sum only.
@@ -22,7 +26,8 @@ breaks the group; the next collective on a survivor raises ``RankLostError``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +36,10 @@ from ..formats.base import QuantizedTensor
 from .process_group import Ranks, collective
 
 OP_MOE, OP_STOP = 1, 2
-_HEADER = 5  # op, layer, tokens, top_k, then one row count per rank
+_HEADER = 4  # op, layer, rows, top_k (float32: exact below 2**24)
+# Rows a call's first message carries: a decode step's one token goes in one message each way;
+# more rows follow in a second message whose size the header gives.
+FIRST_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,24 @@ def select_experts(q: QuantizedTensor, experts: list[int], where: str) -> Quanti
     return QuantizedTensor(q.method, (len(experts), *q.shape[1:]), picked, dict(q.params), validated=q.validated)
 
 
+@dataclass
+class TransferStats:
+    """What one layer's calls to the other ranks cost on rank 0 (``RemoteExperts.transfer``)."""
+
+    calls: int = 0
+    dispatch_s: float = 0.0  # packing and posting the rows out (the sends themselves are asynchronous)
+    collect_s: float = 0.0  # waiting for the partial sums after rank 0's own share was done
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rows: list[int] = field(default_factory=list)  # rows sent to each rank, summed over calls
+
+
+def _first_size(hidden: int, top_k: int) -> int:
+    """Floats in a call's first message: the header and FIRST_ROWS rows (a rank is sent a call only
+    when it has at least one row)."""
+    return _HEADER + FIRST_ROWS * (hidden + 2 * top_k)
+
+
 class RemoteExperts:
     """Rank 0's CPU backend for one MoE layer whose experts are spread over the group (module docstring)."""
 
@@ -106,8 +132,9 @@ class RemoteExperts:
         self.experts = placement.num_experts
         # HybridMoE copies device experts from these; expert parallelism keeps none on a device.
         self.gate, self.up, self.down = local.gate, local.up, local.down
-        self._pending: dict[int, tuple[int, Any, list[torch.Tensor], torch.dtype, Any]] = {}
+        self._pending: dict[int, _Call] = {}
         self._next = 0
+        self.transfer = TransferStats(rows=[0] * ranks.world)
 
     @property
     def nbytes(self) -> int:
@@ -120,59 +147,63 @@ class RemoteExperts:
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         import torch.distributed as dist
 
-        t, k = topk_ids.shape
-        world = self.ranks.world
+        started = time.perf_counter()
+        k = topk_ids.shape[1]
         x32 = x.float().contiguous()
-        valid = topk_ids >= 0
+        hidden = x32.shape[1]
+        width = hidden + 2 * k
         safe = topk_ids.clamp(min=0)
-        owner = torch.where(valid, self.placement.owner[safe], -1)
+        owner = torch.where(topk_ids >= 0, self.placement.owner[safe], -1)
         local_ids = self.placement.local[safe]
-        rows = [(owner == r).any(1).nonzero().flatten() for r in range(world)]
-        counts = [int(r.numel()) for r in rows]
-        header = torch.tensor([OP_MOE, self.layer, t, k, *counts], dtype=torch.int64)
-        payloads = [torch.empty(0)]
-        for r in range(1, world):
-            ids_r = torch.where(owner[rows[r]] == r, local_ids[rows[r]], -1).to(torch.float32)
-            payloads.append(torch.cat([x32[rows[r]], ids_r, topk_weights[rows[r]]], dim=1).flatten())
-        width = x32.shape[1] + 2 * k
+        # Every row once as the ranks receive it (x, ids, weights); each rank's copy then marks the
+        # ids of other ranks' experts -1. Few torch calls: a decode step's submit is pure overhead.
+        packed = torch.cat([x32, local_ids.to(torch.float32), topk_weights], dim=1)
+        call = _Call(dtype=x.dtype, hidden=hidden)
+        stats = self.transfer
         with collective(self.ranks, f"layer {self.layer}'s expert dispatch"):
-            dist.broadcast(header, src=0)
-            dist.all_to_all_single(
-                torch.empty(0),
-                torch.cat(payloads),
-                output_split_sizes=[0] * world,
-                input_split_sizes=[0, *(n * width for n in counts[1:])],
-            )
+            for r in range(1, self.ranks.world):
+                mask = owner == r
+                rows = mask.any(1).nonzero().flatten()
+                n = int(rows.numel())
+                if n == 0:
+                    continue  # nothing for rank r in this call: it hears nothing
+                mine = packed[rows]
+                mine[:, hidden : hidden + k].masked_fill_(~mask[rows], -1.0)
+                flat = mine.flatten()
+                header = torch.tensor([OP_MOE, self.layer, n, k], dtype=torch.float32)
+                first = torch.cat([header, flat[:width]])  # FIRST_ROWS = 1: exactly the header and one row
+                messages = [first] if n == 1 else [first, flat[width:]]
+                call.sends += [dist.isend(m, r) for m in messages]
+                call.keep += messages
+                back = torch.empty(n, hidden)
+                call.receives.append((r, rows, back, dist.irecv(back, r)))
+                stats.bytes_sent += (first.numel() + (flat.numel() - width)) * 4
+                stats.bytes_received += back.numel() * 4
+                stats.rows[r] += n
         own = torch.where(owner == 0, local_ids, -1).contiguous()
-        handle = self.local.submit(x32, own, topk_weights.contiguous())
+        call.local = self.local.submit(x32, own, topk_weights.contiguous())
+        call.keep += [x32, own]
+        stats.calls += 1
+        stats.dispatch_s += time.perf_counter() - started
         key = self._next
         self._next += 1
-        self._pending[key] = (handle, (own, x32), rows, x.dtype, counts)
+        self._pending[key] = call
         return key
 
     def wait(self, handle: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         if handle not in self._pending:
             raise ValueError(f"handle {handle!r} is not pending on this layer's experts")
-        local_handle, _keep, rows, dtype, counts = self._pending.pop(handle)
-        y = self.local.wait(local_handle)
-        hidden = y.shape[1]
-        back = torch.empty(sum(counts[1:]) * hidden)
+        call = self._pending.pop(handle)
+        y = self.local.wait(call.local)
+        started = time.perf_counter()
         with collective(self.ranks, f"layer {self.layer}'s expert results"):
-            dist.all_to_all_single(
-                back,
-                torch.empty(0),
-                output_split_sizes=[0, *(n * hidden for n in counts[1:])],
-                input_split_sizes=[0] * self.ranks.world,
-            )
-        offset = 0
-        for r in range(1, self.ranks.world):
-            n = counts[r]
-            if n:
-                y.index_add_(0, rows[r], back[offset : offset + n * hidden].view(n, hidden))
-            offset += n * hidden
-        return y.to(dtype)
+            for work in call.sends:
+                work.wait()
+            for _rank, rows, back, work in call.receives:
+                work.wait()
+                y.index_add_(0, rows, back)
+        self.transfer.collect_s += time.perf_counter() - started
+        return y.to(call.dtype)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.wait(self.submit(x, topk_ids, topk_weights))
@@ -180,47 +211,60 @@ class RemoteExperts:
     __call__ = forward
 
 
-def stop_experts(ranks: Ranks) -> None:
+@dataclass
+class _Call:
+    """One submitted layer call on rank 0: its local job, the messages in flight and what they need."""
+
+    dtype: torch.dtype
+    hidden: int
+    local: int = -1
+    sends: list[Any] = field(default_factory=list)
+    receives: list[tuple[int, torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)  # buffers the asynchronous sends read
+
+
+def stop_experts(ranks: Ranks, hidden: int, top_k: int) -> None:
     """Tells every other rank's ``serve_experts`` to return (rank 0, once, at the end)."""
     import torch.distributed as dist
 
-    header = torch.zeros(_HEADER - 1 + ranks.world, dtype=torch.int64)
-    header[0] = OP_STOP
+    message = torch.zeros(_first_size(hidden, top_k))
+    message[0] = OP_STOP
     with collective(ranks, "the expert ranks' stop"):
-        dist.broadcast(header, src=0)
+        for r in range(1, ranks.world):
+            dist.send(message, r)
 
 
-def serve_experts(ranks: Ranks, shards: dict[int, Any], hidden: int) -> int:
+def serve_experts(ranks: Ranks, shards: dict[int, Any], hidden: int, top_k: int) -> int:
     """A non-zero rank's loop: run its share of whichever layer rank 0 names, until told to stop.
     Returns the number of layer calls served."""
     import torch.distributed as dist
 
-    world = ranks.world
     served = 0
+    first = torch.empty(_first_size(hidden, top_k))
     while True:
-        header = torch.empty(_HEADER - 1 + world, dtype=torch.int64)
         with collective(ranks, "the wait for rank 0's next layer"):
-            dist.broadcast(header, src=0)
-        op, layer, _tokens, k = (int(v) for v in header[:4])
+            dist.recv(first, 0)
+        op, layer, n, k = (int(v) for v in first[:_HEADER])
         if op == OP_STOP:
             return served
-        if op != OP_MOE or layer not in shards:
-            raise RuntimeError(f"rank {ranks.rank}: rank 0 sent op {op} for layer {layer}, a layer this rank lacks")
-        n = int(header[4 + ranks.rank])
-        width = hidden + 2 * k
-        rows = torch.empty(n * width)
-        split = [0] * world
-        with collective(ranks, f"layer {layer}'s expert dispatch"):
-            dist.all_to_all_single(
-                rows, torch.empty(0), output_split_sizes=[n * width, *split[1:]], input_split_sizes=split
+        if op != OP_MOE or layer not in shards or k != top_k or n < 1:
+            raise RuntimeError(
+                f"rank {ranks.rank}: rank 0 sent op {op} for layer {layer} ({n} rows, top-{k}); this rank holds "
+                f"layers {sorted(shards)} at top-{top_k}"
             )
+        width = hidden + 2 * k
+        head = min(n, FIRST_ROWS) * width
+        rows = first[_HEADER : _HEADER + head]
+        if n > FIRST_ROWS:
+            rest = torch.empty((n - FIRST_ROWS) * width)
+            with collective(ranks, f"layer {layer}'s expert dispatch"):
+                dist.recv(rest, 0)
+            rows = torch.cat([rows, rest])
         rows = rows.view(n, width)
         x = rows[:, :hidden].contiguous()
         ids = rows[:, hidden : hidden + k].to(torch.int64).contiguous()
         weights = rows[:, hidden + k :].contiguous()
-        y = shards[layer](x, ids, weights) if n else torch.empty(0, hidden)
+        y = shards[layer](x, ids, weights)
         with collective(ranks, f"layer {layer}'s expert results"):
-            dist.all_to_all_single(
-                torch.empty(0), y.flatten(), output_split_sizes=split, input_split_sizes=[n * hidden, *split[1:]]
-            )
+            dist.send(y.contiguous(), 0)
         served += 1

@@ -117,7 +117,9 @@ def share_cpus(ranks: Ranks) -> list[int]:
     """This rank's share of the host's usable CPUs (all of them for one process a host).
 
     Where the launcher gave every local rank the same CPUs, each takes a contiguous block of them
-    and pins itself there; the engine's pool and torch's threads then use that block only.
+    and pins itself there; the engine's pool and torch's threads then use that block only. Call it
+    before ``join``: the affinity is the calling thread's, which threads started later inherit (the
+    process group's socket threads among them).
     """
     cpus = sorted(os.sched_getaffinity(0))
     if ranks.local_world < 2:
@@ -129,9 +131,15 @@ def share_cpus(ranks: Ranks) -> list[int]:
         mine = cpus[ranks.local_rank * n // ranks.local_world : (ranks.local_rank + 1) * n // ranks.local_world]
     os.sched_setaffinity(0, mine)
     from ..kernels import set_num_threads
+    from ..kernels.dispatch import set_idle_spin_us
 
     set_num_threads(len(mine))
     torch.set_num_threads(len(mine))
+    if len(mine) == 1:
+        # The engine's worker then shares this rank's one CPU with the caller: spinning for the next
+        # job would starve the caller (and the sockets' threads) until it sleeps. A rank's isend
+        # took 1.3 ms so on 2 vCPUs (bench/bench_expert_parallel.py); sleeping at once costs a wake-up.
+        set_idle_spin_us(0)
     return mine
 
 

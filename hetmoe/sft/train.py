@@ -217,6 +217,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     device = torch.device(cfg.device)
     if ranks.main and cfg.resume:
         read_checkpoint_state(cfg, Path(cfg.output) / "checkpoint")  # fail before the slow part
+    if device.type == "cpu":
+        share_cpus(ranks)  # before the group: its socket threads then start on this rank's CPUs too
     join(ranks, device)
     try:
         return _train(cfg, ranks, device)
@@ -249,8 +251,6 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> TrainResult:
     if pad_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has neither a pad nor an eos token to pad batches with")
 
-    if device.type == "cpu":
-        share_cpus(ranks)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank
     model = load_for_training(model_dir, cfg.method, device=device, dtype=cfg.dtype, recompute=cfg.recompute)
     targets = cfg.targets or list(host_module_names(model))
