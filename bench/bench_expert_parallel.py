@@ -59,7 +59,10 @@ def _role_decode(model_path: str, steps: int, out: str, parallel: int | None) ->
     import hetmoe
 
     torch.set_num_threads(1)  # as hetmoe generate runs a CPU-only model: torch's small ops on one thread
+    from hetmoe.gc_pause import freeze_for_decoding
+
     model = hetmoe.load_model(model_path, expert_parallel=parallel)  # expert ranks stay inside
+    freeze_for_decoding()  # as hetmoe generate and serve do after their load
     times = _decode(model, steps, int(model.config.vocab_size))
     result: dict = {"step_ms": statistics.median(times[2:]) * 1e3, "steps": steps}
     if parallel:

@@ -60,3 +60,30 @@ def test_load_model_and_convert_run_with_it_paused(monkeypatch, tmp_path) -> Non
     with pytest.raises(RuntimeError, match="stop here"):
         convert_module.convert(tmp_path, tmp_path / "out", "int4")
     assert seen == [False, False] and gc.isenabled()
+
+
+def test_load_model_leaves_a_dropped_model_collectable(tiny_cache) -> None:
+    """load_model freezes nothing (a loaded model holds cycles: frozen, a dropped one would never
+    go); the commands that decode until they exit freeze after their load instead."""
+    import weakref
+
+    from hetmoe.models.loader import load_model
+
+    gc.unfreeze()
+    model = load_model(tiny_cache.model("qwen3_moe"))
+    assert gc.get_freeze_count() == 0
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+def test_hetmoe_generate_freezes_after_its_load(capsys) -> None:
+    from hetmoe.cli.main import main
+
+    gc.unfreeze()
+    try:
+        assert main(["generate", "--max-new-tokens", "2", "--temperature", "0", "def f(x):"]) == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

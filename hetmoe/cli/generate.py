@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir, prompt = _check_args(args)
     import torch
 
+    from ..gc_pause import freeze_for_decoding
     from ..models.loader import load_model
     from ..models.tokenizer import load_tokenizer
 
@@ -282,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         expert_placement=args.expert_placement,
         routing_stats=args.routing_stats,
     )
+    freeze_for_decoding()  # the collector's full passes then skip the model (gc_pause.py)
     runtime = model.hetmoe
     print(f"loaded {model_dir} in {runtime.load_seconds:.2f} s: {runtime.summary(args.verbose)}", file=sys.stderr)
     for note in runtime.notes:

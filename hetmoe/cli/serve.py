@@ -157,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
         apply_adapter(served.model, args.lora)
         print(f"applied LoRA adapter {args.lora}", file=sys.stderr)
+    from ..gc_pause import freeze_for_decoding
+
+    freeze_for_decoding()  # this process serves one model until it exits (gc_pause.py)
     runtime = served.model.hetmoe
     print(f"loaded {path} in {runtime.load_seconds:.2f} s: {runtime.summary()}", file=sys.stderr)
     app = build_app(served, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue)

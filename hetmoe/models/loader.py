@@ -36,7 +36,7 @@ from ..checkpoint.experts import LayerExperts, read_layer_experts
 from ..checkpoint.layout import MoELayout, moe_layout
 from ..formats import get_codec
 from ..formats.base import QuantizedTensor
-from ..gc_pause import gc_paused
+from ..gc_pause import freeze_for_decoding, gc_paused
 from ..kernels.dispatch import set_num_threads
 from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
@@ -304,6 +304,7 @@ def _serve_expert_share(
         backends[layer] = _cpu_backend(shard(experts, shares[layer], ranks.rank), adapter, layout, None, "engine")
         del experts
         release_freed_memory()
+    freeze_for_decoding()  # this process only serves from here on
     try:
         serve_experts(ranks, backends, int(config.hidden_size), layout.top_k)
     finally:
