@@ -20,6 +20,7 @@ writes every number. Nothing is printed that this run did not measure.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -37,6 +38,7 @@ def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: int) -> dict[st
     t0 = time.perf_counter()
     model = load_model(path, cpu_threads=threads)
     load_s = time.perf_counter() - t0
+    gc.freeze()  # as hetmoe generate does after its load (hetmoe/gc_pause.py); undone below
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -53,6 +55,8 @@ def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: int) -> dict[st
         decode_s = time.perf_counter() - t0
     notes = list(model.hetmoe.notes)
     del model
+    gc.unfreeze()  # the next file's run starts from a collectable heap
+    gc.collect()
     return {"decode": steps / decode_s, "prefill": prefill / prefill_s, "load_s": load_s, "notes": notes}
 
 

@@ -78,6 +78,30 @@ def test_default_model_with_placement_by_recorded_load(tmp_path) -> None:
     assert "experts split over 2 processes (load placement)" in got["notes"]
 
 
+def test_generate_with_an_explicit_rendezvous(tmp_path) -> None:
+    """Without torchrun: ``hetmoe generate --expert-parallel 2 --dist-init tcp://... --dist-rank R``
+    in two plain processes prints the one-process greedy text."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    args = ["-m", "hetmoe", "generate", "--max-new-tokens", "16", "--temperature", "0"]
+    one = subprocess.run([sys.executable, *args, "def f(x):"], env=_env(), capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    ep = ["--expert-parallel", "2", "--dist-init", url, "--dist-rank"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args, *ep, str(rank), "def f(x):"],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (1, 0)
+    ]
+    (out1, err1), (out0, err0) = (p.communicate(timeout=TIMEOUT) for p in procs)
+    assert procs[1].returncode == 0 and procs[0].returncode == 0, err0[-2000:] + err1[-2000:]
+    assert out0 == one.stdout and out0.strip()
+    assert out1 == ""  # the expert rank prints nothing: rank 0 reports
+
+
 def test_serve_expert_parallel_answers_as_one_process(tmp_path) -> None:
     """``hetmoe serve --expert-parallel 2`` under torchrun, driven by the openai client: the greedy
     completion is the one-process server's."""

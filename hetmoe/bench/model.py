@@ -360,6 +360,7 @@ def measure_variant(
         dense_method = None if dense == "default" else dense
         model = load_model(path, method, "cpu", cpu_threads=cfg.threads or None, dense_method=dense_method)
         load_s = time.perf_counter() - t0
+        gc.freeze()  # as hetmoe generate does after its load (gc_pause.py); undone in finally
         rss = memory_status()
         stored = sum(f.stat().st_size for f in files)
         load = {
@@ -391,6 +392,7 @@ def measure_variant(
         log(format_record(record))
         return record
     finally:
+        gc.unfreeze()  # the dropped model's cycles collectable again
         torch.set_num_threads(previous)
         _release()
 

@@ -109,6 +109,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--routing-stats", metavar="FILE", help="routing counts recorded by an earlier run (for load)")
     p.add_argument(
+        "--dist-init",
+        metavar="URL",
+        help="with --expert-parallel, without torchrun: the rendezvous every process is given (tcp://HOST:PORT)",
+    )
+    p.add_argument("--dist-rank", type=int, metavar="R", help="with --dist-init: this rank (0 runs the model)")
+    p.add_argument(
         "--prefill-threshold",
         type=int,
         default=None,
@@ -282,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         expert_parallel=args.expert_parallel,
         expert_placement=args.expert_placement,
         routing_stats=args.routing_stats,
+        dist_init_method=args.dist_init,
+        dist_rank=args.dist_rank,
     )
     freeze_for_decoding()  # the collector's full passes then skip the model (gc_pause.py)
     runtime = model.hetmoe

@@ -67,6 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --expert-parallel: experts to ranks by id blocks, or balanced by --routing-stats' counts",
     )
     p.add_argument("--routing-stats", metavar="FILE", help="routing counts recorded by an earlier run (for load)")
+    p.add_argument(
+        "--dist-init",
+        metavar="URL",
+        help="with --expert-parallel, without torchrun: the rendezvous every process is given (tcp://HOST:PORT)",
+    )
+    p.add_argument("--dist-rank", type=int, metavar="R", help="with --dist-init: this rank (0 runs the model)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype (default: the config's)")
     p.add_argument("--threads", type=int, default=None, help="CPU engine threads (default: every usable CPU)")
     p.add_argument(
@@ -151,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         expert_parallel=args.expert_parallel,
         expert_placement=args.expert_placement,
         routing_stats=args.routing_stats,
+        dist_init_method=args.dist_init,
+        dist_rank=args.dist_rank,
     )
     if args.lora:
         from ..sft.inference import apply_adapter

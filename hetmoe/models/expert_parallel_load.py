@@ -28,8 +28,15 @@ PLACEMENTS = ("id", "load")
 IDLE_TIMEOUT_DAYS = 365
 
 
-def start_group(expert_parallel: int, placement: str, incompatible: dict[str, Any]) -> Ranks:
-    """Checks the request against the launcher's environment and joins the group."""
+def start_group(
+    expert_parallel: int,
+    placement: str,
+    incompatible: dict[str, Any],
+    init_method: str | None = None,
+    rank: int | None = None,
+) -> Ranks:
+    """Checks the request against the launcher's environment (or ``init_method`` and ``rank``, given
+    to every process alike but the rank) and joins the group."""
     if expert_parallel < 1:
         raise ValueError(f"expert_parallel must be >= 1, got {expert_parallel}")
     if placement not in PLACEMENTS:
@@ -37,7 +44,15 @@ def start_group(expert_parallel: int, placement: str, incompatible: dict[str, An
     on = [name for name, value in incompatible.items() if value]
     if on:
         raise ValueError(f"expert_parallel does not combine with {', '.join(on)} (experts stay on the ranks' CPUs)")
-    ranks = ranks_from_env()
+    if (init_method is None) != (rank is None):
+        raise ValueError("an explicit rendezvous needs both init_method (e.g. tcp://HOST:PORT) and this process's rank")
+    if init_method is not None:
+        assert rank is not None
+        if not 0 <= rank < expert_parallel:
+            raise ValueError(f"rank {rank}: expected 0 <= rank < expert_parallel ({expert_parallel})")
+        ranks = Ranks(rank=rank, world=expert_parallel)  # one rank a host, as far as CPUs go
+    else:
+        ranks = ranks_from_env()
     if ranks.world != expert_parallel:
         raise ValueError(
             f"expert_parallel={expert_parallel}, but this process is one of WORLD_SIZE={ranks.world}: start "
@@ -49,7 +64,7 @@ def start_group(expert_parallel: int, placement: str, incompatible: dict[str, An
 
     share_cpus(ranks)  # first: the group's socket threads then start on this rank's CPUs too
     if ranks.distributed and not dist.is_initialized():
-        join(ranks, torch.device("cpu"), timeout=timedelta(days=IDLE_TIMEOUT_DAYS))
+        join(ranks, torch.device("cpu"), timeout=timedelta(days=IDLE_TIMEOUT_DAYS), init_method=init_method)
     return ranks
 
 

@@ -93,6 +93,8 @@ def load_model(
     progress: bool | None = None,
     expert_parallel: int | None = None,
     expert_placement: str = "id",
+    dist_init_method: str | None = None,
+    dist_rank: int | None = None,
 ) -> Any:
     """A transformers causal LM ready for ``generate``, its routed experts in the CPU engine.
 
@@ -128,6 +130,8 @@ def load_model(
     start N ranks (torchrun) that all call ``load_model`` alike; rank 0 gets the model, the others
     serve their experts and leave when rank 0's process ends. ``expert_placement``: ``"id"``
     (contiguous blocks of expert ids) or ``"load"`` (balanced by ``routing_stats``' counts).
+    ``dist_init_method``/``dist_rank``: an explicit rendezvous (``tcp://HOST:PORT`` for every rank,
+    each its own rank) instead of torchrun's environment.
 
     The returned model carries ``model.hetmoe`` (a HybridRuntime): placement, timing, routing
     statistics (``save_routing_stats()``).
@@ -168,7 +172,7 @@ def load_model(
             "replace_every": replace_every,
             "expert_backend='torch'": expert_backend == "torch",
         }
-        ranks = start_group(expert_parallel, expert_placement, incompatible)
+        ranks = start_group(expert_parallel, expert_placement, incompatible, dist_init_method, dist_rank)
     if cpu_threads is not None:
         set_num_threads(cpu_threads)
     if check_memory:

@@ -87,14 +87,15 @@ def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
     return Ranks(rank=rank, world=world, local_rank=local_rank, local_world=local_world)
 
 
-def join(ranks: Ranks, device: torch.device, timeout: timedelta = TIMEOUT) -> None:
-    """The default process group, from the launcher's environment (nothing for one process)."""
+def join(ranks: Ranks, device: torch.device, timeout: timedelta = TIMEOUT, init_method: str | None = None) -> None:
+    """The default process group, from the launcher's environment or ``init_method`` (a URL such as
+    ``tcp://HOST:PORT`` every rank is given, with its rank); nothing for one process."""
     import torch.distributed as dist
 
     if not ranks.distributed or dist.is_initialized():
         return
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
-    if missing:
+    if init_method is None and missing:
         raise ValueError(
             f"WORLD_SIZE={ranks.world} but {', '.join(missing)} is not set: start the ranks with torchrun or "
             "accelerate launch (they set the rendezvous), e.g. torchrun --nproc-per-node 2 -m hetmoe ..."
@@ -103,7 +104,9 @@ def join(ranks: Ranks, device: torch.device, timeout: timedelta = TIMEOUT) -> No
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device.index if device.index is not None else ranks.local_rank)
-    dist.init_process_group(backend=backend, rank=ranks.rank, world_size=ranks.world, timeout=timeout)
+    dist.init_process_group(
+        backend=backend, init_method=init_method, rank=ranks.rank, world_size=ranks.world, timeout=timeout
+    )
 
 
 def leave(ranks: Ranks) -> None:

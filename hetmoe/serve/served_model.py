@@ -76,6 +76,8 @@ def load_served_model(
     expert_parallel: int | None = None,
     expert_placement: str = "id",
     routing_stats: str | None = None,
+    dist_init_method: str | None = None,
+    dist_rank: int | None = None,
 ) -> ServedModel:
     """Load ``path`` with :func:`hetmoe.load_model` and its tokenizer; a clear ValueError for what is missing."""
     from ..models.loader import load_model
@@ -94,6 +96,8 @@ def load_served_model(
         expert_parallel=expert_parallel,
         expert_placement=expert_placement,
         routing_stats=routing_stats,
+        dist_init_method=dist_init_method,
+        dist_rank=dist_rank,
     )
     config = model.config
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
