@@ -44,7 +44,7 @@ from ..runtime.expert_parallel import RemoteExperts, serve_experts
 from ..runtime.hybrid import ExpertBackend, HybridMoE
 from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
 from ..runtime.placement import plan_placement
-from ..runtime.process_group import leave
+from ..runtime.process_group import Ranks, leave
 from ..runtime.session import HybridRuntime, check_modes
 from ..runtime.stats import RuntimeStats, load_routing
 from ..runtime.stored_embedding import StoredEmbedding
@@ -191,7 +191,8 @@ def load_model(
             rank=ranks.rank if ranks is not None else 0,
         ).check()
     if ranks is not None and not ranks.main:
-        _serve_expert_share(source, layout, adapter, method, params, ranks, expert_placement, routing_stats, config)
+        shares = (expert_placement, routing_stats)
+        _serve_expert_share(source, layout, adapter, method, params, ranks, shares, config, expert_backend)
 
     check_modes(prefill_threshold, prefill_chunk_bytes, defer_experts, layout.top_k)
     frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
@@ -294,18 +295,22 @@ def _serve_expert_share(
     adapter: MoEAdapter,
     method: str | None,
     params: dict[str, Any],
-    ranks: Any,
-    how: str,
-    routing_stats: str | Path | None,
+    ranks: Ranks,
+    placement: tuple[str, str | Path | None],
     config: Any,
+    expert_backend: str,
 ) -> None:
-    """An expert rank's whole life: read its share of every layer, serve rank 0, leave (never returns)."""
+    """An expert rank's whole life: read its share of every layer (into the backend rank 0 chooses
+    for its own share), serve rank 0, leave (never returns). ``placement``: how, and the routing
+    statistics for "load"."""
+    how, routing_stats = placement
     frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
     shares = placements(layout, ranks.world, how, frequencies)
     backends = {}
     for layer in layout.moe_layers:
         experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)
-        backends[layer] = _cpu_backend(shard(experts, shares[layer], ranks.rank), adapter, layout, None, "engine")
+        mine = shard(experts, shares[layer], ranks.rank)
+        backends[layer] = _cpu_backend(mine, adapter, layout, None, expert_backend)
         del experts
         release_freed_memory()
     freeze_for_decoding()  # this process only serves from here on
