@@ -19,7 +19,9 @@ stay within 1e-5; the element-wise maximum is no measure of agreement under Adam
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +37,7 @@ from safetensors.torch import load_file
 from hetmoe.runtime.process_group import Ranks, ranks_from_env
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "sft" / "tiny_chat.jsonl"
+EVAL = DATA.with_name("tiny_chat_eval.jsonl")
 STEPS, SAVE_EVERY = 20, 5
 TRAIN_ARGS = ["sft", "train", "--data", str(DATA), "--max-steps", str(STEPS), "--batch-size", "8"]
 TRAIN_ARGS += ["--lr", "1e-2", "--save-every", str(SAVE_EVERY), "--no-progress"]
@@ -55,12 +58,16 @@ def _command(processes: int, output: Path, *extra: str) -> list[str]:
     return [*launcher, "-m", "hetmoe", *TRAIN_ARGS, "--output", str(output), *extra]
 
 
-def _train(processes: int, output: Path, *extra: str) -> None:
+def _train(processes: int, output: Path, *extra: str) -> list[float]:
+    """Runs and checks one training; returns the held-out losses it printed (before, after), if any."""
     command = _command(processes, output, *extra)
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"adapter: {output / 'adapter'}" in done.stdout  # rank 0 alone reports
     assert done.stdout.count("adapter:") == 1
+    found = re.findall(r"held-out loss: ([0-9.]+) -> ([0-9.]+)", done.stderr)
+    assert len(found) <= 1  # rank 0 alone reports
+    return [float(x) for x in found[0]] if found else []
 
 
 def _losses(output: Path) -> list[float]:
@@ -84,8 +91,9 @@ def _curve_gap(a: list[float], b: list[float]) -> float:
 def runs(tmp_path_factory) -> Path:
     """One process and two processes, 20 steps each, same settings."""
     root = tmp_path_factory.mktemp("dp")
-    _train(1, root / "one")
-    _train(2, root / "two")
+    # The held-out loss too: each rank scores its share of the held-out set and the sums are added.
+    heldout = {name: _train(n, root / name, "--eval-data", str(EVAL)) for name, n in (("one", 1), ("two", 2))}
+    (root / "heldout.json").write_text(json.dumps(heldout))
     return root
 
 
@@ -105,6 +113,13 @@ def test_accelerate_launch_takes_the_same_steps(runs) -> None:
 
 
 def test_two_processes_take_the_one_process_steps(runs) -> None:
+    heldout = json.loads((runs / "heldout.json").read_text())
+    assert len(heldout["one"]) == 2 and heldout["one"][1] < heldout["one"][0]
+    # Before training the same model is scored in two halves (float32 sums in another order); after,
+    # the adapters differ by the bound below. The command prints 4 decimals: one unit of the last
+    # place (1e-4, 1.5e-4 with its float representation) is the tightest bound the text allows.
+    assert abs(heldout["two"][0] - heldout["one"][0]) <= 1.5e-4
+    assert abs(heldout["two"][1] - heldout["one"][1]) <= 1.5e-4
     one, two = _losses(runs / "one"), _losses(runs / "two")
     assert one[-1] < one[0] - 0.3  # it trains: the comparison below means something
     assert _curve_gap(one, two) <= BOUND

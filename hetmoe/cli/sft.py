@@ -24,10 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "experts and dense MLPs) of MODEL, whose routed experts stay in the CPU engine in their stored "
             'precision (or --method). DATA is JSONL, one {"messages": [{"role": ..., "content": ...}]} a '
             "line, rendered with the model's chat template; the loss covers assistant tokens only. Checkpoints "
-            "(adapter, optimizer, step, RNG) go to OUTPUT/checkpoint, atomically; --resume continues from there "
+            "(adapter, optimizer, step, losses) go to OUTPUT/checkpoint, atomically; --resume continues from there "
             "exactly. The final adapter is a PEFT adapter in OUTPUT/adapter.\n\n"
-            "Several processes: start the same command under torchrun (or accelerate launch). Each rank holds "
-            "the experts in its own CPU engine, takes its share of every batch (--batch-size is the global "
+            "Several processes: start the same command under torchrun (or accelerate launch --multi-gpu). Each "
+            "rank holds the experts in its own CPU engine, takes its share of every batch (--batch-size is the global "
             "batch) and adds its LoRA gradients to the others' (gloo on the CPU, nccl on GPUs), so the steps "
             "are those of one process on the whole batch. Ranks on one host split its CPUs. Rank 0 writes "
             "the checkpoints and the adapter; --resume works at the same or another number of processes."

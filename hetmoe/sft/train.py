@@ -8,16 +8,16 @@ its number of predicted tokens.
 
 Under torchrun or accelerate launch (``runtime/process_group.py``, ``distributed.py``) every rank
 loads the model, takes its slice of each global batch of ``batch_size`` conversations and adds its
-gradients to the others';
-the steps are those of one process on the whole batch. Dropout masks come from a generator seeded
-by (seed, step, rank) each step, so a resumed run draws the masks an unbroken one would.
+gradients to the others': the steps are those of one process on the whole batch. Dropout masks
+come from a generator seeded by (seed, step, rank) each step, so a resumed run draws the masks an
+unbroken one would (and with dropout, runs at different world sizes draw different masks).
 
 Checkpoints (``OUTPUT/checkpoint``: the adapter in PEFT's format, plus ``trainer_state.pt`` with the
-optimizer state, the loss of every step so far and the run's settings) are written by rank 0 into a temporary directory
-and renamed into place. ``resume=True`` restores them (rank 0 reads and sends them to the others,
-so hosts need not share a filesystem), at the same or another world size, and a resumed run takes
-the steps one that never stopped would. The final adapter goes to ``OUTPUT/adapter``
-(``adapter_model.safetensors`` + ``adapter_config.json``).
+optimizer state, the loss of every step so far and the run's settings) are written by rank 0 into
+a temporary directory and renamed into place. ``resume=True`` restores them (rank 0 reads and sends
+them to the others, so hosts need not share a filesystem), at the same or another world size, and a
+resumed run takes the steps one that never stopped would. The final adapter goes to
+``OUTPUT/adapter`` (``adapter_model.safetensors`` + ``adapter_config.json``).
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def load_checkpoint(
     if unexpected:
         raise ValueError(f"--resume: the checkpoint's adapter has keys this model lacks: {unexpected[:3]}")
     optimizer.load_state_dict(state["optimizer"])
-    return [float(x) for x in state["losses"]]
+    # Checkpoints written before the losses were kept (stop 36 and earlier) give their step count.
+    return [float(x) for x in state.get("losses", [float("nan")] * int(state["step"]))]
 
 
 def train(cfg: TrainConfig) -> TrainResult:
