@@ -7,6 +7,12 @@ the ``{arch}.*`` metadata into the transformers config of the same model and pre
 the routed experts keep their GGUF names and raw blocks, so ``read_layer_experts`` hands them to the
 CPU engine as stored (memory-mapped, one layer at a time, never dequantized as a whole).
 
+Each architecture's GGUF facts live in its adapter file (``models/adapters/*.py``: its llama.cpp
+architecture name, ``gguf_config`` reading its metadata keys into the transformers config and
+naming its tensors, the names only it has); ``models/gguf_names.py`` holds the names several
+share; this module holds what every architecture uses (the common fields, rope, the checks the
+adapters call on a ``GGUFModel``) and the tensor transforms below.
+
 The conventions matched are those of llama.cpp's ``convert_hf_to_gguf.py`` and ``src/models/*.cpp``:
 
 - GGUF lists dims fastest first; the reader (``checkpoint/gguf_file.py``) gives torch order, so a
@@ -70,14 +76,15 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointError, TensorInfo, TensorSource
-from ..checkpoint.config import qwen3next_layer_types
 from ..checkpoint.gguf_file import GGUFFile
 from ..checkpoint.layout import MoELayout
 from ..formats import FormatError, QuantizedTensor, UnknownMethodError, get_codec
+from .adapters import GGUF_BUILDERS
+from .adapters.qwen3_next import NEXT_OFFSET_NORMS
 
 # Where transformers keeps the decoder layers of every architecture read here.
 MODULE_PREFIX = "model.layers"
-ARCHITECTURES = ("qwen2moe", "qwen3moe", "qwen3next", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "olmoe", "llama")
+ARCHITECTURES = tuple(GGUF_BUILDERS)
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>.+)$")
@@ -88,57 +95,6 @@ _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-_NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
-_QKV = {f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in ("q", "k", "v") for p in ("weight", "bias")} | {
-    "attn_output.weight": "self_attn.o_proj.weight"
-}
-_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-_ROUTER = {"ffn_gate_inp.weight": "mlp.gate.weight"}
-_DENSE_MLP = {f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-_QWEN2_SHARED = {f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")} | {
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"
-}
-_DEEPSEEK_SHARED = {f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}
-# GLM-4-MoE names its post-attention norm for what it is; the gate holds the selection bias.
-_GLM_NORMS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-}
-_GLM_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
-# MiniMax-M2 keeps the selection bias on the MoE block itself.
-_MINIMAX_ROUTER = _ROUTER | {"exp_probs_b.bias": "mlp.e_score_correction_bias"}
-# Qwen3-Next: the full-attention layers' names are Qwen3-MoE's (GLM's norm names); the delta-net
-# layers' in_proj_qkvz has no tensor of its own (``ssm_in``: joined from attn_qkv and attn_gate).
-_NEXT_LINEAR = {
-    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
-    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_a": "linear_attn.A_log",
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-}
-# its norms whose weight is zero-centred (transformers computes (1 + w) * x), stored as 1 + w
-_NEXT_OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
-# gpt-oss: biases everywhere in its attention and router, a sink logit per head, GLM's norm names.
-_GPT_OSS = (
-    _GLM_NORMS
-    | {f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in ("q", "k", "v") for p in ("weight", "bias")}
-    | {"attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias"}
-    | {"attn_sinks.weight": "self_attn.sinks"}
-    | {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
-)
-_MLA = {
-    "attn_q.weight": "self_attn.q_proj.weight",  # no q_lora_rank (V2-Lite)
-    "attn_q_a.weight": "self_attn.q_a_proj.weight",
-    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attn_q_b.weight": "self_attn.q_b_proj.weight",
-    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # older files; newer split it into k_b / v_b
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
 
 
@@ -314,26 +270,16 @@ class GGUFModel:
         self.arch = str(arch)
         self.meta = _Meta(file, self.arch)
         self.tensors = {k: source.info(k) for k in source.keys()}
-        self._kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
-        self._permuted_rows: dict[str, torch.Tensor] = {}  # llama: q/k leaf -> rows in transformers' order
+        self.kv_b_split: dict[str, int] = {}  # deepseek2: the sizes that put kv_b_proj back together
+        self.permuted_rows: dict[str, torch.Tensor] = {}  # llama: q/k leaf -> rows in transformers' order
         if self.arch in ("glm4moe", "qwen3next"):
             # their multi-token-prediction block(s) follow the decoder layers (block_count counts them,
             # nextn_predict_layers says how many; llama.cpp's graph and transformers skip them): left
             # unread. Any other tensor past the layers is still an error (_entries).
             blocks = int(self.meta.get("block_count", layout.num_layers))
             self.tensors = {k: v for k, v in self.tensors.items() if not layout.num_layers <= _layer_of(k) < blocks}
-        builders = {
-            "qwen2moe": self._qwen2moe,
-            "qwen3moe": self._qwen3moe,
-            "qwen3next": self._qwen3next,
-            "deepseek2": self._deepseek2,
-            "glm4moe": self._glm4moe,
-            "minimax-m2": self._minimax_m2,
-            "gpt-oss": self._gpt_oss,
-            "olmoe": self._olmoe,
-            "llama": self._llama,
-        }
-        fields, self._layer_names = builders[self.arch](layout)
+        # The architecture's adapter file reads its metadata keys and names its tensors.
+        fields, self._layer_names = GGUF_BUILDERS[self.arch](self, layout)
         self.config = _make_config(fields, file.path)
         entries = self._entries(layout)
         experts = [k for k in self.tensors if _is_expert(k)]
@@ -342,11 +288,11 @@ class GGUFModel:
 
     # --- configuration -------------------------------------------------------------------------
 
-    def _common(self, layout: MoELayout) -> dict[str, Any]:
+    def common(self, layout: MoELayout) -> dict[str, Any]:
         m = self.meta
         hidden = m.count("embedding_length", "hidden_size")
         heads = m.count("attention.head_count", "num_attention_heads")
-        embedding = self._shape("token_embd.weight", "the token embedding")
+        embedding = self.shape("token_embd.weight", "the token embedding")
         if len(embedding) != 2 or embedding[1] != hidden:
             raise CheckpointError(
                 self.meta.path,
@@ -370,7 +316,7 @@ class GGUFModel:
             "dtype": "bfloat16",
         }
 
-    def _rope(self) -> dict[str, Any]:
+    def rope(self) -> dict[str, Any]:
         m = self.meta
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.number("rope.freq_base", "rope_theta", 10000.0)}
         kind = m.get("rope.scaling.type", "none")
@@ -392,7 +338,7 @@ class GGUFModel:
             m.path, f"{self.arch}.rope.scaling.type {kind!r}: only none, linear and yarn rope scaling are supported"
         )
 
-    def _no_expert_scale(self) -> None:
+    def no_expert_scale(self) -> None:
         scale = self.meta.get("expert_weights_scale")
         if scale not in (None, 0.0, 1.0):
             raise CheckpointError(
@@ -400,7 +346,7 @@ class GGUFModel:
                 f"{self.arch}.expert_weights_scale={scale}: transformers' {self.arch} has no routed scaling factor",
             )
 
-    def _attention(self, fields: dict[str, Any], head_dim: int) -> None:
+    def attention(self, fields: dict[str, Any], head_dim: int) -> None:
         """KV heads and head size, checked against what llama.cpp's qwen graphs assume."""
         m = self.meta
         heads = fields["num_attention_heads"]
@@ -413,20 +359,20 @@ class GGUFModel:
                 f"{self.arch}: key_length={head_dim}, value_length={value_dim}, rope.dimension_count={rotary}: "
                 "transformers' model needs all three equal",
             )
-        fields["rope_parameters"] = self._rope()
+        fields["rope_parameters"] = self.rope()
 
-    def _gqa_fields(self, layout: MoELayout) -> dict[str, Any]:
-        """``_common`` plus the head size (``attention.key_length``, else hidden / heads) and what
-        ``_attention`` reads: the fields of the full-rotary GQA families."""
-        fields = self._common(layout)
+    def gqa_fields(self, layout: MoELayout) -> dict[str, Any]:
+        """``common`` plus the head size (``attention.key_length``, else hidden / heads) and what
+        ``attention`` reads: the fields of the full-rotary GQA families."""
+        fields = self.common(layout)
         head_dim = self.meta.count(
             "attention.key_length", "head_dim", fields["hidden_size"] // fields["num_attention_heads"]
         )
         fields["head_dim"] = head_dim
-        self._attention(fields, head_dim)
+        self.attention(fields, head_dim)
         return fields
 
-    def _all_moe(self, layout: MoELayout) -> None:
+    def all_moe(self, layout: MoELayout) -> None:
         """The families whose every decoder layer is MoE: a layer without experts is not their model."""
         if len(layout.moe_layers) != layout.num_layers:
             dense = sorted(set(range(layout.num_layers)) - set(layout.moe_layers))
@@ -434,229 +380,20 @@ class GGUFModel:
                 self.meta.path, f"{self.arch}: layers {dense[:8]} have no experts; every layer is MoE"
             )
 
-    def _qwen_fields(self, layout: MoELayout, model_type: str, norm_topk_prob: bool) -> dict[str, Any]:
+    def qwen_fields(self, layout: MoELayout, model_type: str, norm_topk_prob: bool) -> dict[str, Any]:
         """What Qwen2-MoE and Qwen3-MoE configs share: sizes, experts, heads and head size."""
-        fields = self._gqa_fields(layout)
+        fields = self.gqa_fields(layout)
         fields |= {"model_type": model_type, "num_experts": layout.num_experts, "norm_topk_prob": norm_topk_prob}
         return fields
 
-    def _qwen_layers(self, fields: dict[str, Any], layout: MoELayout) -> None:
+    def qwen_layers(self, fields: dict[str, Any], layout: MoELayout) -> None:
         dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
         fields["decoder_sparse_step"] = 1
         fields["mlp_only_layers"] = dense
         if dense:
-            fields["intermediate_size"] = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
+            fields["intermediate_size"] = self.shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
 
-    def _qwen3moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        fields = self._qwen_fields(layout, "qwen3_moe", norm_topk_prob=True)
-        fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
-        self._qwen_layers(fields, layout)
-        self._no_expert_scale()
-
-        def names(layer: int) -> dict[str, str]:
-            bias = fields["attention_bias"]
-            qkv = {k: v for k, v in _QKV.items() if bias or not k.endswith(".bias")}
-            mlp = _ROUTER if layer in layout.moe_layers else _DENSE_MLP
-            return _NORMS | qkv | _QK_NORM | mlp
-
-        return fields, names
-
-    def _qwen3next(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        m = self.meta
-        fields = self._common(layout)
-        head_dim = m.count("attention.key_length", "head_dim")
-        value_dim = m.count("attention.value_length", "the value head size", head_dim)
-        if value_dim != head_dim:
-            raise CheckpointError(
-                m.path, f"qwen3next: key_length={head_dim}, value_length={value_dim}: transformers needs them equal"
-            )
-        rotary = m.count("rope.dimension_count", "the rotary dimensions", head_dim)
-        value_heads = m.count("ssm.time_step_rank", "linear_num_value_heads")
-        inner = m.count("ssm.inner_size", "the delta-net's value width")
-        if inner % value_heads:
-            raise CheckpointError(
-                m.path, f"qwen3next.ssm.inner_size={inner} is not a multiple of ssm.time_step_rank={value_heads}"
-            )
-        self._no_expert_scale()
-        sample = layout.moe_layers[0]
-        fields |= {
-            "model_type": "qwen3_next",
-            "num_key_value_heads": m.count("attention.head_count_kv", "num_key_value_heads"),
-            "head_dim": head_dim,
-            "rope_parameters": self._rope() | {"partial_rotary_factor": rotary / head_dim},
-            "num_experts": layout.num_experts,
-            "norm_topk_prob": True,  # llama.cpp's qwen3next graph: norm_w = true
-            "shared_expert_intermediate_size": self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared expert")[0],
-            "layer_types": self._recurrent_layers(layout.num_layers),
-            "linear_conv_kernel_dim": m.count("ssm.conv_kernel", "linear_conv_kernel_dim"),
-            "linear_key_head_dim": m.count("ssm.state_size", "linear_key_head_dim"),
-            "linear_num_key_heads": m.count("ssm.group_count", "linear_num_key_heads"),
-            "linear_num_value_heads": value_heads,
-            "linear_value_head_dim": inner // value_heads,
-            "attention_bias": False,
-        }
-        self._qwen_layers(fields, layout)
-        attention = {k: v for k, v in _QKV.items() if not k.endswith(".bias")} | _QK_NORM
-        types = fields["layer_types"]
-
-        def names(layer: int) -> dict[str, str]:
-            mixer = _NEXT_LINEAR if types[layer] == "linear_attention" else attention
-            mlp = _ROUTER | _QWEN2_SHARED if layer in layout.moe_layers else _DENSE_MLP
-            return _GLM_NORMS | mixer | mlp
-
-        return fields, names
-
-    def _recurrent_layers(self, layers: int) -> list[str]:
-        """The layer kinds (checkpoint/config.py: qwen3next_layer_types), or an error naming the keys."""
-        flags, interval = self.meta.get("attention.recurrent_layers"), self.meta.get("full_attention_interval", 4)
-        types = qwen3next_layer_types(flags, interval, layers)
-        if types is None:
-            raise CheckpointError(
-                self.meta.path,
-                f"qwen3next.attention.recurrent_layers: expected {layers} flags, found {flags!r} "
-                f"(or without it, full_attention_interval a positive count, found {interval!r})",
-            )
-        return types
-
-    def _olmoe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        fields = self._gqa_fields(layout)
-        self._all_moe(layout)
-        self._no_expert_scale()
-        fields |= {
-            "model_type": "olmoe",
-            "num_experts": layout.num_experts,
-            "intermediate_size": layout.intermediate_size,  # OLMoE's config names the experts' width so
-            "norm_topk_prob": False,
-            "attention_bias": False,
-            "clip_qkv": None,
-        }
-        attention = {k: v for k, v in _QKV.items() if not k.endswith(".bias")} | _QK_NORM
-
-        def names(layer: int) -> dict[str, str]:
-            return _NORMS | attention | _ROUTER
-
-        return fields, names
-
-    def _qwen2moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        fields = self._qwen_fields(layout, "qwen2_moe", norm_topk_prob=False)
-        fields["qkv_bias"] = "blk.0.attn_q.bias" in self.tensors
-        fields["use_sliding_window"] = False
-        self._qwen_layers(fields, layout)
-        self._no_expert_scale()
-        # llama.cpp takes this from expert_shared_feed_forward_length (else the dense width) and checks
-        # it against the tensors; the tensor is the one truth here.
-        shared = f"blk.{layout.moe_layers[0]}.ffn_up_shexp.weight"
-        fields["shared_expert_intermediate_size"] = self._shape(shared, "the shared expert")[0]
-
-        def names(layer: int) -> dict[str, str]:
-            qkv = {k: v for k, v in _QKV.items() if fields["qkv_bias"] or not k.endswith(".bias")}
-            mlp = _ROUTER | _QWEN2_SHARED if layer in layout.moe_layers else _DENSE_MLP
-            return _NORMS | qkv | mlp
-
-        return fields, names
-
-    def _deepseek2(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        m = self.meta
-        fields = self._common(layout)
-        heads = fields["num_attention_heads"]
-        rope_dim = m.count("rope.dimension_count", "qk_rope_head_dim")
-        # Since llama.cpp split kv_b_proj (MLA absorption), key/value_length describe the compressed
-        # MQA view and the *_mla keys the per-head sizes; older files only have the per-head ones.
-        if m.get("attention.key_length_mla") is not None:
-            key_dim = m.count("attention.key_length_mla", "qk_nope_head_dim + qk_rope_head_dim")
-            value_dim = m.count("attention.value_length_mla", "v_head_dim")
-        else:
-            key_dim = m.count("attention.key_length", "qk_nope_head_dim + qk_rope_head_dim")
-            value_dim = m.count("attention.value_length", "v_head_dim")
-        if key_dim <= rope_dim:
-            raise CheckpointError(
-                m.path, f"deepseek2: key length {key_dim} must exceed rope.dimension_count {rope_dim} (qk_nope > 0)"
-            )
-        q_lora = m.get("attention.q_lora_rank")
-        gating = m.get("expert_gating_func")
-        sigmoid = gating == 2  # llama.cpp: 1 softmax (the default of V2 files), 2 sigmoid
-        sample = layout.moe_layers[0]
-        # DeepSeek-V3's layout: a selection bias (e_score_correction_bias), which llama.cpp adds to the
-        # selection scores whatever the gating function
-        biased = f"blk.{sample}.exp_probs_b.bias" in self.tensors
-        if gating is None:
-            self.notes.append(
-                "deepseek2: no expert_gating_func in the metadata: softmax gating, as llama.cpp assumes"
-                + (" (with the file's selection bias, as llama.cpp adds it)" if biased else "")
-            )
-        scale = m.number("expert_weights_scale", "routed_scaling_factor", 1.0) or 1.0  # 0: llama.cpp's "unset"
-        norm = bool(m.get("expert_weights_norm", False))
-        groups = m.count("expert_group_count", "n_group", 1)
-        groups_used = m.count("expert_group_used_count", "topk_group", 1)
-        shared_rows = self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared experts")[0]
-        fields |= {
-            "model_type": "deepseek_v3" if sigmoid or biased else "deepseek_v2",
-            "num_key_value_heads": heads,  # the file says 1: llama.cpp's MQA view of MLA
-            "head_dim": rope_dim,
-            "q_lora_rank": int(q_lora) if q_lora else None,
-            "kv_lora_rank": m.count("attention.kv_lora_rank", "kv_lora_rank"),
-            "qk_rope_head_dim": rope_dim,
-            "qk_nope_head_dim": key_dim - rope_dim,
-            "v_head_dim": value_dim,
-            "n_routed_experts": layout.num_experts,
-            "n_shared_experts": m.count(
-                "expert_shared_count", "n_shared_experts", max(1, shared_rows // layout.intermediate_size)
-            ),
-            "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
-            "routed_scaling_factor": scale,
-            "n_group": groups,
-            "topk_group": groups_used,
-            "norm_topk_prob": norm,
-            "rope_parameters": self._rope(),
-        }
-        mscale = m.get("rope.scaling.yarn_log_multiplier")
-        if fields["rope_parameters"]["rope_type"] == "yarn" and mscale:
-            # convert_hf_to_gguf writes 0.1 * mscale_all_dim here (its TAG_DEEPSEEK2_YARN_LOG_MUL_FIX);
-            # every DeepSeek/Kimi release has mscale == mscale_all_dim.
-            fields["rope_parameters"] |= {"mscale_all_dim": float(mscale) / 0.1, "mscale": float(mscale) / 0.1}
-        dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
-        width = m.get("feed_forward_length")
-        if dense:
-            width = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0]
-        if width:
-            fields["intermediate_size"] = int(width)
-        if sigmoid or biased:
-            fields["rope_interleave"] = True  # llama.cpp's deepseek2 rope is the interleaved (GPT-J) one
-            if not sigmoid:
-                fields["scoring_func"] = "softmax"  # DeepSeek's own config field (deepseek_v3 adapter)
-        else:
-            # softmax with expert_weights_norm: llama.cpp renormalises the top-k weights before the
-            # scale; the DeepSeek-V2 adapter does too where norm_topk_prob is set (no V2 release sets it)
-            fields["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
-        if dense and dense != list(range(fields["first_k_dense_replace"])):
-            raise CheckpointError(
-                m.path,
-                f"deepseek2: layers {dense[:8]} have no experts but leading_dense_block_count="
-                f"{fields['first_k_dense_replace']}",
-            )
-
-        def names(layer: int) -> dict[str, str]:
-            attention = {k: v for k, v in _MLA.items() if not k.startswith(("attn_q", "exp_probs_b"))}
-            if fields["q_lora_rank"]:
-                attention |= {k: v for k, v in _MLA.items() if k.startswith("attn_q_")}
-            else:
-                attention["attn_q.weight"] = _MLA["attn_q.weight"]
-            if layer not in layout.moe_layers:
-                return _NORMS | attention | _DENSE_MLP
-            mlp = _ROUTER | _DEEPSEEK_SHARED
-            if sigmoid or biased:
-                mlp = mlp | {"exp_probs_b.bias": _MLA["exp_probs_b.bias"]}
-            return _NORMS | attention | mlp
-
-        self._kv_b_split = {
-            "heads": heads,
-            "nope": key_dim - rope_dim,
-            "value": value_dim,
-            "rank": fields["kv_lora_rank"],
-        }
-        return fields, names
-
-    def _head_dim_and_rotary(self, fields: dict[str, Any]) -> None:
+    def head_dim_and_rotary(self, fields: dict[str, Any]) -> None:
         """head_dim, KV heads and the rotary part (``rope.dimension_count`` of each head's leading
         values, llama.cpp's NEOX rope = transformers' rotate_half) of the partial-rotary families."""
         m = self.meta
@@ -672,9 +409,9 @@ class GGUFModel:
             )
         fields["head_dim"] = head_dim
         fields["num_key_value_heads"] = m.count("attention.head_count_kv", "num_key_value_heads", heads)
-        fields["rope_parameters"] = self._rope() | {"partial_rotary_factor": rotary / head_dim}
+        fields["rope_parameters"] = self.rope() | {"partial_rotary_factor": rotary / head_dim}
 
-    def _sigmoid_gating(self) -> None:
+    def sigmoid_gating(self) -> None:
         """GLM-4-MoE and MiniMax-M2 route by sigmoid scores (the bias only selects): a file that says
         otherwise is not one transformers' model runs."""
         gating = self.meta.get("expert_gating_func")
@@ -686,139 +423,9 @@ class GGUFModel:
                 f"{self.arch}.expert_gating_func={gating!r}: transformers' {self.arch} routes by sigmoid scores (2)",
             )
 
-    def _glm4moe(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        m = self.meta
-        fields = self._common(layout)
-        self._head_dim_and_rotary(fields)
-        self._sigmoid_gating()
-        sample = layout.moe_layers[0]
-        shared_rows = self._shape(f"blk.{sample}.ffn_up_shexp.weight", "the shared experts")[0]
-        dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
-        fields |= {
-            "model_type": "glm4_moe",
-            "n_routed_experts": layout.num_experts,
-            "n_shared_experts": m.count(
-                "expert_shared_count", "n_shared_experts", max(1, shared_rows // layout.intermediate_size)
-            ),
-            "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
-            "routed_scaling_factor": m.number("expert_weights_scale", "routed_scaling_factor", 1.0) or 1.0,
-            "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
-            "n_group": m.count("expert_group_count", "n_group", 1),
-            "topk_group": m.count("expert_group_used_count", "topk_group", 1),
-            # not in the metadata: what the tensors say
-            "use_qk_norm": f"blk.{sample}.attn_q_norm.weight" in self.tensors,
-            "attention_bias": f"blk.{sample}.attn_q.bias" in self.tensors,
-        }
-        width = self._shape(f"blk.{dense[0]}.ffn_up.weight", "a dense layer's MLP")[0] if dense else None
-        fields["intermediate_size"] = int(width or m.count("feed_forward_length", "intermediate_size"))
-        if dense != list(range(fields["first_k_dense_replace"])):
-            raise CheckpointError(
-                m.path,
-                f"glm4moe: layers {dense[:8]} have no experts but leading_dense_block_count="
-                f"{fields['first_k_dense_replace']}",
-            )
-
-        def names(layer: int) -> dict[str, str]:
-            qkv = {k: v for k, v in _QKV.items() if fields["attention_bias"] or not k.endswith(".bias")}
-            norms = _QK_NORM if fields["use_qk_norm"] else {}
-            mlp = _GLM_ROUTER | _DEEPSEEK_SHARED if layer in layout.moe_layers else _DENSE_MLP
-            return _GLM_NORMS | qkv | norms | mlp
-
-        return fields, names
-
-    def _minimax_m2(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        fields = self._common(layout)
-        self._head_dim_and_rotary(fields)
-        self._sigmoid_gating()
-        self._no_expert_scale()
-        self._all_moe(layout)
-        # transformers' MiniMax-M2 sizes its experts with intermediate_size; its router always
-        # renormalises the top-k weights (llama.cpp's graph: norm_w = true)
-        fields |= {
-            "model_type": "minimax_m2",
-            "num_local_experts": layout.num_experts,
-            "intermediate_size": layout.intermediate_size,
-        }
-        fields.pop("moe_intermediate_size")
-
-        def names(layer: int) -> dict[str, str]:
-            qkv = {k: v for k, v in _QKV.items() if not k.endswith(".bias")}
-            return _NORMS | qkv | _QK_NORM | _MINIMAX_ROUTER
-
-        return fields, names
-
-    def _gpt_oss(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        """gpt-oss as llama.cpp's openai-moe graph runs it: softmax over the top-k router logits, the
-        clamped SwiGLU with alpha 1.702 and limit 7 (fixed in its graph, and transformers' defaults),
-        sliding-window layers by ``attention.sliding_window_pattern`` (default 2: even layers slide),
-        YaRN as ggml computes it (correction dims floored and ceiled: transformers' ``truncate``)."""
-        m = self.meta
-        fields = self._gqa_fields(layout)
-        self._no_expert_scale()
-        self._all_moe(layout)
-        base, swa_base = fields["rope_parameters"]["rope_theta"], m.get("rope.freq_base_swa")
-        if swa_base is not None and swa_base != base:
-            raise CheckpointError(
-                m.path,
-                f"gpt-oss.rope.freq_base_swa={swa_base} differs from rope.freq_base={base}: transformers' "
-                "gpt-oss has one rope base for all layers",
-            )
-        fields |= {
-            "model_type": "gpt_oss",
-            "num_local_experts": layout.num_experts,
-            "intermediate_size": layout.intermediate_size,
-            "sliding_window": m.count("attention.sliding_window", "sliding_window"),
-            "layer_types": self._sliding_layers(layout.num_layers),
-            "attention_bias": True,
-            "swiglu_limit": 7.0,
-        }
-        fields.pop("moe_intermediate_size")
-        fields.pop("hidden_act")
-        return fields, lambda layer: _GPT_OSS
-
-    def _llama(self, layout: MoELayout) -> tuple[dict[str, Any], Callable[[int], dict[str, str]]]:
-        """Mixtral, which llama.cpp files as llama with experts: softmax top-k renormalised (its graph's
-        norm_w), every layer MoE, q and k rows permuted by the converter for ggml's interleaved rope
-        (``LlamaModel.permute``), put back in transformers' order here (``_entries``)."""
-        fields = self._gqa_fields(layout)
-        self._no_expert_scale()
-        self._all_moe(layout)
-        fields |= {"model_type": "mixtral", "num_local_experts": layout.num_experts}
-        fields["intermediate_size"] = fields.pop("moe_intermediate_size")
-        self._permuted_rows = {
-            "attn_q.weight": _unpermute_rows(fields["num_attention_heads"], fields["head_dim"]),
-            "attn_k.weight": _unpermute_rows(fields["num_key_value_heads"], fields["head_dim"]),
-        }
-
-        def names(layer: int) -> dict[str, str]:
-            qkv = {k: v for k, v in _QKV.items() if not k.endswith(".bias")}
-            return _NORMS | qkv | _ROUTER
-
-        return fields, names
-
-    def _sliding_layers(self, layers: int) -> list[str]:
-        """llama.cpp's ``load_swa_pattern``: a per-layer array, or every n-th layer full (the others
-        sliding), n from the metadata or 2."""
-        pattern = self.meta.get("attention.sliding_window_pattern", 2)
-        if isinstance(pattern, list):
-            if len(pattern) < layers or not all(isinstance(v, (bool, int)) for v in pattern[:layers]):
-                raise CheckpointError(
-                    self.meta.path,
-                    f"{self.arch}.attention.sliding_window_pattern: expected {layers} flags, found {pattern!r}",
-                )
-            sliding = [bool(v) for v in pattern[:layers]]
-        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
-            sliding = [pattern == 0 or layer % pattern < pattern - 1 for layer in range(layers)]
-        else:
-            raise CheckpointError(
-                self.meta.path,
-                f"{self.arch}.attention.sliding_window_pattern must be a count or per-layer flags, found {pattern!r}",
-            )
-        return ["sliding_attention" if s else "full_attention" for s in sliding]
-
     # --- tensors -------------------------------------------------------------------------------
 
-    def _shape(self, key: str, what: str) -> tuple[int, ...]:
+    def shape(self, key: str, what: str) -> tuple[int, ...]:
         if key not in self.tensors:
             raise CheckpointError(self.meta.path, f"missing tensor {key} ({what})")
         return tuple(self.tensors[key].shape)
@@ -843,7 +450,7 @@ class GGUFModel:
                 raise CheckpointError(
                     self.meta.path, f"missing tensor {key} (transformers {hf}), which a {self.arch} model needs"
                 )
-            rows = self._permuted_rows.get(key.split(".", 2)[-1])
+            rows = self.permuted_rows.get(key.split(".", 2)[-1])
             entries[hf] = _Entry((key,), self._hf_shape(key), rows=rows)
             consumed.add(key)
         extra = [k for k in self.tensors if k not in consumed and not _is_expert(k)]
@@ -872,12 +479,12 @@ class GGUFModel:
         """What convert_hf_to_gguf's Qwen3NextModel.modify_tensors did to a tensor, undone: ``1 + w``
         norms, ``-exp(A_log)``, the squeezed conv weight, in_proj_qkvz split out of its groups."""
         leaf = key.split(".", 2)[-1] if key.startswith("blk.") else key
-        if key in self.tensors and (leaf in _NEXT_OFFSET_NORMS or key == "output_norm.weight"):
+        if key in self.tensors and (leaf in NEXT_OFFSET_NORMS or key == "output_norm.weight"):
             return _Entry((key,), self._hf_shape(key), lambda parts: parts[0].float() - 1)
         if leaf == "ssm_a" and key in self.tensors:
             return _Entry((key,), self._hf_shape(key), lambda parts: torch.log(-parts[0].float()))
         if leaf == "ssm_conv1d.weight" and key in self.tensors:
-            channels, kernel = self._shape(key, "the delta-net's conv weight")
+            channels, kernel = self.shape(key, "the delta-net's conv weight")
             return _Entry((key,), (channels, 1, kernel))
         if leaf != "ssm_in.weight":
             return None
@@ -921,7 +528,7 @@ class GGUFModel:
             raise CheckpointError(
                 self.meta.path, f"missing tensor {key}, and of its split form {missing} (deepseek2 kv_b_proj)"
             )
-        d = self._kv_b_split
+        d = self.kv_b_split
         heads, nope, value, rank = d["heads"], d["nope"], d["value"], d["rank"]
         expected = {k_b: (heads, rank, nope), v_b: (heads, value, rank)}
         for name, want in expected.items():
@@ -938,19 +545,6 @@ class GGUFModel:
             return torch.cat([k.float().transpose(1, 2), v.float()], dim=1).reshape(heads * (nope + value), rank)
 
         return _Entry((k_b, v_b), (heads * (nope + value), rank), join)
-
-
-def _unpermute_rows(heads: int, head_dim: int) -> torch.Tensor:
-    """The inverse of convert_hf_to_gguf's ``LlamaModel.permute`` on the rows of q or k: stored row
-    ``h * D + 2 i + j`` is transformers' row ``h * D + j * D / 2 + i``; returns, per transformers row,
-    the stored row holding it."""
-    half = head_dim // 2
-    h, i, j = torch.meshgrid(torch.arange(heads), torch.arange(half), torch.arange(2), indexing="ij")
-    stored = (h * head_dim + 2 * i + j).flatten()
-    original = (h * head_dim + j * half + i).flatten()
-    rows = torch.empty(heads * head_dim, dtype=torch.long)
-    rows[original] = stored
-    return rows
 
 
 def _layer_of(key: str) -> int:

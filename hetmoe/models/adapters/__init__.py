@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from . import deepseek_v2, glm4_moe, gpt_oss, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from .base import MoEAdapter
 from .deepseek_v2 import DeepseekV2Adapter
 from .deepseek_v3 import DeepseekV3Adapter
@@ -29,6 +31,10 @@ ADAPTERS: tuple[type[MoEAdapter], ...] = (
     OlmoeAdapter,
 )
 REGISTRY: dict[str, type[MoEAdapter]] = {t: a for a in ADAPTERS for t in a.model_types}
+# llama.cpp's general.architecture -> the adapter file's gguf_config(g, layout), which reads that
+# architecture's metadata into a transformers config and names its tensors (models/gguf_model.py).
+_GGUF_FILES = (qwen2_moe, qwen3_moe, qwen3_next, deepseek_v2, glm4_moe, minimax_m2, gpt_oss, olmoe, mixtral)
+GGUF_BUILDERS: dict[str, Callable[..., Any]] = {m.GGUF_ARCHITECTURE: m.gguf_config for m in _GGUF_FILES}
 
 
 def adapter_class(model_type: str) -> type[MoEAdapter]:
@@ -45,4 +51,4 @@ def get_adapter(config: Any) -> MoEAdapter:
     return adapter_class(str(config.model_type))(config)
 
 
-__all__ = ["ADAPTERS", "REGISTRY", "MoEAdapter", "adapter_class", "get_adapter"]
+__all__ = ["ADAPTERS", "GGUF_BUILDERS", "REGISTRY", "MoEAdapter", "adapter_class", "get_adapter"]

@@ -4,11 +4,18 @@ router) deciding the choice, renormalised unbiased scores as weights. Checkpoint
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from ..gguf_names import NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
 from .routing import router_logits, sigmoid_biased_topk
+
+if TYPE_CHECKING:
+    from ...checkpoint.layout import MoELayout
+    from ..gguf_model import GGUFModel
 
 
 class MiniMaxM2Adapter(MoEAdapter):
@@ -30,3 +37,33 @@ class MiniMaxM2Adapter(MoEAdapter):
         if logits.dtype != block.gate.weight.dtype:
             return None
         return sigmoid_biased_topk(logits, block.e_score_correction_bias, self.top_k())
+
+
+# --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------
+
+GGUF_ARCHITECTURE = "minimax-m2"
+
+# MiniMax-M2 keeps the selection bias on the MoE block itself
+MINIMAX_ROUTER = ROUTER | {"exp_probs_b.bias": "mlp.e_score_correction_bias"}
+
+
+def gguf_config(g: GGUFModel, layout: MoELayout) -> GGUFConfig:
+    fields = g.common(layout)
+    g.head_dim_and_rotary(fields)
+    g.sigmoid_gating()
+    g.no_expert_scale()
+    g.all_moe(layout)
+    # transformers' MiniMax-M2 sizes its experts with intermediate_size; its router always
+    # renormalises the top-k weights (llama.cpp's graph: norm_w = true)
+    fields |= {
+        "model_type": "minimax_m2",
+        "num_local_experts": layout.num_experts,
+        "intermediate_size": layout.intermediate_size,
+    }
+    fields.pop("moe_intermediate_size")
+
+    def names(layer: int) -> dict[str, str]:
+        qkv = {k: v for k, v in QKV.items() if not k.endswith(".bias")}
+        return NORMS | qkv | QK_NORM | MINIMAX_ROUTER
+
+    return fields, names

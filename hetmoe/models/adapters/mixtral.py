@@ -3,11 +3,18 @@ block ``block_sparse_moe`` (transformers 5 calls it ``mlp``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from ..gguf_names import NORMS, QKV, ROUTER, GGUFConfig, unpermute_rows
 from .base import MoEAdapter
 from .routing import router_logits, softmax_topk
+
+if TYPE_CHECKING:
+    from ...checkpoint.layout import MoELayout
+    from ..gguf_model import GGUFModel
 
 
 class MixtralAdapter(MoEAdapter):
@@ -23,3 +30,29 @@ class MixtralAdapter(MoEAdapter):
 
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), True, None)
+
+
+# --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------
+
+GGUF_ARCHITECTURE = "llama"
+
+
+def gguf_config(g: GGUFModel, layout: MoELayout) -> GGUFConfig:
+    """Mixtral, which llama.cpp files as llama with experts: softmax top-k renormalised (its graph's
+    norm_w), every layer MoE, q and k rows permuted by the converter for ggml's interleaved rope
+    (``LlamaModel.permute``), put back in transformers' order by models/gguf_model.py's ``_entries``."""
+    fields = g.gqa_fields(layout)
+    g.no_expert_scale()
+    g.all_moe(layout)
+    fields |= {"model_type": "mixtral", "num_local_experts": layout.num_experts}
+    fields["intermediate_size"] = fields.pop("moe_intermediate_size")
+    g.permuted_rows = {
+        "attn_q.weight": unpermute_rows(fields["num_attention_heads"], fields["head_dim"]),
+        "attn_k.weight": unpermute_rows(fields["num_key_value_heads"], fields["head_dim"]),
+    }
+
+    def names(layer: int) -> dict[str, str]:
+        qkv = {k: v for k, v in QKV.items() if not k.endswith(".bias")}
+        return NORMS | qkv | ROUTER
+
+    return fields, names

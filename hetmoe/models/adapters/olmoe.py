@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from ..gguf_names import NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
 from .routing import router_logits, softmax_topk
+
+if TYPE_CHECKING:
+    from ...checkpoint.layout import MoELayout
+    from ..gguf_model import GGUFModel
 
 
 class OlmoeAdapter(MoEAdapter):
@@ -25,3 +32,28 @@ class OlmoeAdapter(MoEAdapter):
 
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)
+
+
+# --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------
+
+GGUF_ARCHITECTURE = "olmoe"
+
+
+def gguf_config(g: GGUFModel, layout: MoELayout) -> GGUFConfig:
+    fields = g.gqa_fields(layout)
+    g.all_moe(layout)
+    g.no_expert_scale()
+    fields |= {
+        "model_type": "olmoe",
+        "num_experts": layout.num_experts,
+        "intermediate_size": layout.intermediate_size,  # OLMoE's config names the experts' width so
+        "norm_topk_prob": False,
+        "attention_bias": False,
+        "clip_qkv": None,
+    }
+    attention = {k: v for k, v in QKV.items() if not k.endswith(".bias")} | QK_NORM
+
+    def names(layer: int) -> dict[str, str]:
+        return NORMS | attention | ROUTER
+
+    return fields, names

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from ..gguf_names import DENSE_MLP, NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
 from .routing import router_logits, softmax_topk
+
+if TYPE_CHECKING:
+    from ...checkpoint.layout import MoELayout
+    from ..gguf_model import GGUFModel
 
 
 class Qwen3MoeAdapter(MoEAdapter):
@@ -21,3 +28,23 @@ class Qwen3MoeAdapter(MoEAdapter):
 
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)
+
+
+# --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------
+
+GGUF_ARCHITECTURE = "qwen3moe"
+
+
+def gguf_config(g: GGUFModel, layout: MoELayout) -> GGUFConfig:
+    fields = g.qwen_fields(layout, "qwen3_moe", norm_topk_prob=True)
+    fields["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+    g.qwen_layers(fields, layout)
+    g.no_expert_scale()
+
+    def names(layer: int) -> dict[str, str]:
+        bias = fields["attention_bias"]
+        qkv = {k: v for k, v in QKV.items() if bias or not k.endswith(".bias")}
+        mlp = ROUTER if layer in layout.moe_layers else DENSE_MLP
+        return NORMS | qkv | QK_NORM | mlp
+
+    return fields, names
