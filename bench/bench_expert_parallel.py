@@ -35,6 +35,7 @@ ROLE_ENV = "HETMOE_BENCH_EP_ROLE"
 
 
 def _decode(model: torch.nn.Module, steps: int, vocab: int) -> list[float]:
+    from hetmoe.bench.model import decode_steps
     from hetmoe.runtime.expert_parallel import RemoteExperts, TransferStats
     from hetmoe.runtime.kv_cache import growing_cache
 
@@ -46,13 +47,7 @@ def _decode(model: torch.nn.Module, steps: int, vocab: int) -> list[float]:
         for hybrid in model.hetmoe.layers.values():  # the decode steps' transfers only, not the prompt's
             if isinstance(hybrid.cpu, RemoteExperts):
                 hybrid.cpu.transfer = TransferStats(rows=[0] * hybrid.cpu.ranks.world)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = model(token, cache=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-            times.append(time.perf_counter() - t0)
-    return times
+        return decode_steps(model, cache, token, steps)
 
 
 def _role_decode(model_path: str, steps: int, out: str, parallel: int | None) -> None:

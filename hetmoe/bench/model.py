@@ -153,7 +153,7 @@ def _decode_start(model: nn.Module, shape: ModelShape, context: int, gen: torch.
     return cache, out.logits[:, -1:].argmax(-1)
 
 
-def _decode_steps(model: nn.Module, cache: Any, token: torch.Tensor, steps: int) -> list[float]:
+def decode_steps(model: nn.Module, cache: Any, token: torch.Tensor, steps: int) -> list[float]:
     """Seconds of each of ``steps`` single-token forwards (greedy) continuing ``cache``."""
     times = []
     for _ in range(steps):
@@ -299,10 +299,10 @@ def _parts_alone(
 def _measure(model: nn.Module, cfg: ModelBenchConfig) -> dict[str, Any]:
     shape = cfg.shape
     gen = torch.Generator().manual_seed(cfg.seed)
-    _decode_steps(model, *_decode_start(model, shape, 8, gen), 2)  # warm-up: pool, buffers, first pages
+    decode_steps(model, *_decode_start(model, shape, 8, gen), 2)  # warm-up: pool, buffers, first pages
     steps: list[float] = []
     for _ in range(cfg.repeats):
-        steps += _decode_steps(model, *_decode_start(model, shape, cfg.context, gen), cfg.steps)
+        steps += decode_steps(model, *_decode_start(model, shape, cfg.context, gen), cfg.steps)
     decode_ms = _median_ms(steps)
     prefill = {}
     for tokens in cfg.prefill:
@@ -310,7 +310,7 @@ def _measure(model: nn.Module, cfg: ModelBenchConfig) -> dict[str, Any]:
         prefill[tokens] = _median_ms([_prefill(model, shape, tokens, gen) for _ in range(cfg.repeats)])
     # The split comes from passes of its own: hooks cost a little, the headline numbers carry none.
     cache, token = _decode_start(model, shape, cfg.context, gen)
-    split = _split_of(model, lambda: sum(_decode_steps(model, cache, token, cfg.steps)))
+    split = _split_of(model, lambda: sum(decode_steps(model, cache, token, cfg.steps)))
     flush = CacheFlush(cfg.flush_bytes if cfg.flush_bytes is not None else 2 * last_level_cache_bytes())
     alone = _parts_alone(model, shape, 1, cfg.context, cfg.repeats, flush)
     out: dict[str, Any] = {

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.tokenizer import check_model_path, is_model_path
+from .expert_parallel_args import add_expert_parallel_arguments, expert_parallel_options
 
 NO_PROMPT = 'no prompt: hetmoe generate "your prompt" (the embedded default model) or hetmoe generate MODEL "prompt"'
 CPU_METHODS = ("bf16", "int8", "int4", "int4-asym", "gptq", "mxfp4", "fp8", "fp8-channel")
@@ -93,27 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
-    p.add_argument(
-        "--expert-parallel",
-        type=int,
-        default=None,
-        metavar="N",
-        help="split each layer's routed experts over the N processes this command runs in, started by "
-        "torchrun --nproc-per-node N (or --nnodes): rank 0 runs the model, the others only their experts",
-    )
-    p.add_argument(
-        "--expert-placement",
-        choices=("id", "load"),
-        default="id",
-        help="with --expert-parallel: experts to ranks by id blocks, or balanced by --routing-stats' counts",
-    )
-    p.add_argument("--routing-stats", metavar="FILE", help="routing counts recorded by an earlier run (for load)")
-    p.add_argument(
-        "--dist-init",
-        metavar="URL",
-        help="with --expert-parallel, without torchrun: the rendezvous every process is given (tcp://HOST:PORT)",
-    )
-    p.add_argument("--dist-rank", type=int, metavar="R", help="with --dist-init: this rank (0 runs the model)")
+    add_expert_parallel_arguments(p)
     p.add_argument(
         "--prefill-threshold",
         type=int,
@@ -285,11 +266,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_threshold=args.prefill_threshold,
         defer_experts=args.defer_experts,
         dense_method=args.dense_method,
-        expert_parallel=args.expert_parallel,
-        expert_placement=args.expert_placement,
-        routing_stats=args.routing_stats,
-        dist_init_method=args.dist_init,
-        dist_rank=args.dist_rank,
+        **expert_parallel_options(args),
     )
     freeze_for_decoding()  # the collector's full passes then skip the model (gc_pause.py)
     runtime = model.hetmoe

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..models.tokenizer import check_model_path
+from .expert_parallel_args import add_expert_parallel_arguments, expert_parallel_options
 
 API_KEY_ENV = "HETMOE_API_KEY"
 
@@ -52,27 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", metavar="DIR", help="a LoRA adapter saved by `hetmoe sft train` (PEFT format) to apply")
     p.add_argument("--device", default="cpu", help="where non-expert layers run (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--gpu-experts", type=int, default=0, metavar="N", help="experts per MoE layer kept on --device")
-    p.add_argument(
-        "--expert-parallel",
-        type=int,
-        default=None,
-        metavar="N",
-        help="split each layer's routed experts over the N processes this command runs in, started by "
-        "torchrun --nproc-per-node N (or --nnodes): rank 0 runs the model, the others only their experts",
-    )
-    p.add_argument(
-        "--expert-placement",
-        choices=("id", "load"),
-        default="id",
-        help="with --expert-parallel: experts to ranks by id blocks, or balanced by --routing-stats' counts",
-    )
-    p.add_argument("--routing-stats", metavar="FILE", help="routing counts recorded by an earlier run (for load)")
-    p.add_argument(
-        "--dist-init",
-        metavar="URL",
-        help="with --expert-parallel, without torchrun: the rendezvous every process is given (tcp://HOST:PORT)",
-    )
-    p.add_argument("--dist-rank", type=int, metavar="R", help="with --dist-init: this rank (0 runs the model)")
+    add_expert_parallel_arguments(p)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype (default: the config's)")
     p.add_argument("--threads", type=int, default=None, help="CPU engine threads (default: every usable CPU)")
     p.add_argument(
@@ -154,11 +135,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         gpu_experts=args.gpu_experts,
-        expert_parallel=args.expert_parallel,
-        expert_placement=args.expert_placement,
-        routing_stats=args.routing_stats,
-        dist_init_method=args.dist_init,
-        dist_rank=args.dist_rank,
+        **expert_parallel_options(args),
     )
     if args.lora:
         from ..sft.inference import apply_adapter
