@@ -2,13 +2,13 @@
 
 transformers' ``apply_rotary_pos_emb`` is ~14 eager ops per attention layer (unsqueeze, slices,
 neg, cat, four products, two sums); in a CPU decode step that is ~0.3 ms of dispatch for a 4-layer
-model. For the families whose modeling file uses the standard function (``FAMILIES``: rotate_half
-over the whole head, cos/sin unsqueezed at dim 1), ``fuse_rotary(model)`` replaces that function in
-the model's own modeling module with one that calls the engine's ``rope`` for CPU bf16/fp32
-inputs without autograd and the original otherwise. The engine rounds after each of the three
-operations in bf16 as torch does, so results are bit-identical (a test holds it to that), which
-is why replacing the module-level function, which other models of the same family in the process
-also use, changes no one's numbers.
+model. For the families whose modeling file uses the standard function (``FAMILIES``, from the
+adapters' ``standard_rotary``: rotate_half over the whole head, cos/sin unsqueezed at dim 1),
+``fuse_rotary(model)`` replaces that function in the model's own modeling module with one that
+calls the engine's ``rope`` for CPU bf16/fp32 inputs without autograd and the original otherwise.
+The engine rounds after each of the three operations in bf16 as torch does, so results are
+bit-identical (a test holds it to that), which is why replacing the module-level function, which
+other models of the same family in the process also use, changes no one's numbers.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import engine_module
+from .adapters import ADAPTERS
 
-# modeling modules whose apply_rotary_pos_emb is the standard full-head rotate_half one
-FAMILIES = (
-    "transformers.models.qwen3_moe.modeling_qwen3_moe",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe",
-    "transformers.models.mixtral.modeling_mixtral",
-    "transformers.models.olmoe.modeling_olmoe",
+# modeling modules whose apply_rotary_pos_emb is the standard full-head rotate_half one: the
+# architectures whose adapter says so (MoEAdapter.standard_rotary)
+FAMILIES = tuple(
+    f"transformers.models.{a.model_types[0]}.modeling_{a.model_types[0]}" for a in ADAPTERS if a.standard_rotary
 )
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

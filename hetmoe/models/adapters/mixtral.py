@@ -24,6 +24,7 @@ class MixtralAdapter(MoEAdapter):
     decode_layer = "MixtralDecoderLayer"
     decode_causal_lm = ("MixtralForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "none"
+    standard_rotary = True
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))

@@ -29,6 +29,7 @@ class Qwen2MoeAdapter(MoEAdapter):
     decode_layer = "Qwen2MoeDecoderLayer"
     decode_causal_lm = ("Qwen2MoeForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "none"
+    standard_rotary = True
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))

@@ -22,6 +22,7 @@ class Qwen3MoeAdapter(MoEAdapter):
     decode_layer = "Qwen3MoeDecoderLayer"
     decode_causal_lm = ("Qwen3MoeForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "head"
+    standard_rotary = True
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))
