@@ -4,8 +4,9 @@ transformers' RMSNorm is ~7 eager ops (cast, pow, mean, add, rsqrt, mul, cast, m
 of a 4-layer Qwen3-MoE runs 17 norms, ~0.5 ms of dispatch for a few microseconds of arithmetic.
 ``fuse_rms_norms`` gives each known norm module a forward that calls the engine's ``rms_norm`` for
 CPU bf16/fp32 inputs without autograd, and the module's own forward for anything else. Each family
-rounds at its own point (``NORM_MODES``); the fused op rounds at the same one, so outputs equal the
-module's up to the order of the fp32 sum of squares (tests compare every family's class).
+rounds at its own point (its adapter's ``rms_norms``, gathered in ``NORM_MODES``); the fused op
+rounds at the same one, so outputs equal the module's up to the order of the fp32 sum of squares
+(tests compare every family's class).
 """
 
 from __future__ import annotations
@@ -17,25 +18,13 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import engine_module
+from .adapters import ADAPTERS
 
 CAST_THEN_SCALE, SCALE_THEN_CAST, OFFSET_SCALE = 0, 1, 2  # csrc/norms.h NormMode
-# class name -> (mode, name of its epsilon attribute)
+_MODES = {"cast_then_scale": CAST_THEN_SCALE, "scale_then_cast": SCALE_THEN_CAST, "offset_scale": OFFSET_SCALE}
+# class name -> (mode, name of its epsilon attribute), as each architecture's adapter states them
 NORM_MODES: dict[str, tuple[int, str]] = {
-    **{
-        name: (CAST_THEN_SCALE, "variance_epsilon")
-        for name in (
-            "Qwen3MoeRMSNorm",
-            "Qwen2MoeRMSNorm",
-            "MixtralRMSNorm",
-            "DeepseekV3RMSNorm",
-            "DeepseekV2RMSNorm",
-            "Glm4MoeRMSNorm",
-            "MiniMaxM2RMSNorm",
-            "OlmoeRMSNorm",
-        )
-    },
-    "GptOssRMSNorm": (SCALE_THEN_CAST, "variance_epsilon"),
-    "Qwen3NextRMSNorm": (OFFSET_SCALE, "eps"),
+    name: (_MODES[mode], eps) for a in ADAPTERS for name, mode, eps in a.rms_norms
 }
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

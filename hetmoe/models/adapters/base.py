@@ -66,6 +66,11 @@ class MoEAdapter(ABC):
     # Its modeling module's apply_rotary_pos_emb is transformers' standard one (rotate_half over the
     # whole head, cos/sin unsqueezed at dim 1): models/fused_rope.py puts the engine's in its place.
     standard_rotary: ClassVar[bool] = False
+    # Its RMSNorm classes as (class name, where it rounds to the model's dtype, its epsilon
+    # attribute), the rounding "cast_then_scale" (x cast back, then times the weight),
+    # "scale_then_cast" (gpt-oss) or "offset_scale" ((1 + w) * x, Qwen3-Next); models/fused_norms.py
+    # rounds the engine's norm the same way.
+    rms_norms: ClassVar[tuple[tuple[str, str, str], ...]] = ()
 
     def __init__(self, config: Any) -> None:
         self.config = config

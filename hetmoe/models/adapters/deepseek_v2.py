@@ -26,6 +26,7 @@ class DeepseekV2Adapter(MLAAdapter):
     block_classes = ("DeepseekV2Moe", "DeepseekV2MoE")
     decode_layer = "DeepseekV2DecoderLayer"
     decode_causal_lm = ("DeepseekV2ForCausalLM", "CausalLMOutputWithPast")
+    rms_norms = (("DeepseekV2RMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

@@ -39,6 +39,7 @@ class DeepseekV3Adapter(MLAAdapter):
     transformers_model_type = "deepseek_v3"
     decode_layer = "DeepseekV3DecoderLayer"
     decode_causal_lm = ("DeepseekV3ForCausalLM", "CausalLMOutputWithPast")
+    rms_norms = (("DeepseekV3RMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_sigmoid_route(self, block, x)

@@ -23,6 +23,7 @@ class Glm4MoeAdapter(MoEAdapter):
     block_classes = ("Glm4MoeMoE",)
     decode_layer = "Glm4MoeDecoderLayer"
     decode_causal_lm = ("Glm4MoeForCausalLM", "CausalLMOutputWithPast")
+    rms_norms = (("Glm4MoeRMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     @property
     def decode_qk_norm(self) -> str:  # type: ignore[override]

@@ -39,6 +39,7 @@ class GptOssAdapter(MoEAdapter):
     decode_qk_norm = "none"
     decode_rotary_tables = "half"
     decode_sinks = True
+    rms_norms = (("GptOssRMSNorm", "scale_then_cast", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = router_logits(x, block.router.weight, block.router.bias)

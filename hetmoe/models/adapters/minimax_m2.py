@@ -25,6 +25,7 @@ class MiniMaxM2Adapter(MoEAdapter):
     decode_layer = "MiniMaxM2DecoderLayer"
     decode_causal_lm = ("MiniMaxM2ForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "projection"
+    rms_norms = (("MiniMaxM2RMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = block.gate.weight

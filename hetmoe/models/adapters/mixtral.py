@@ -25,6 +25,7 @@ class MixtralAdapter(MoEAdapter):
     decode_causal_lm = ("MixtralForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "none"
     standard_rotary = True
+    rms_norms = (("MixtralRMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))

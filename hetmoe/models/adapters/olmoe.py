@@ -23,6 +23,7 @@ class OlmoeAdapter(MoEAdapter):
     decode_causal_lm = ("OlmoeForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "projection"
     standard_rotary = True
+    rms_norms = (("OlmoeRMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def decodes_in_one_call(self) -> bool:
         # clip_qkv clamps q, k and v after the norms, a step the one-token path does not take

@@ -30,6 +30,7 @@ class Qwen2MoeAdapter(MoEAdapter):
     decode_causal_lm = ("Qwen2MoeForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "none"
     standard_rotary = True
+    rms_norms = (("Qwen2MoeRMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))

@@ -23,6 +23,7 @@ class Qwen3MoeAdapter(MoEAdapter):
     decode_causal_lm = ("Qwen3MoeForCausalLM", "MoeCausalLMOutputWithPast")
     decode_qk_norm = "head"
     standard_rotary = True
+    rms_norms = (("Qwen3MoeRMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class Qwen3NextAdapter(MoEAdapter):
     model_types = ("qwen3_next",)
     block_classes = ("Qwen3NextSparseMoeBlock",)
+    rms_norms = (("Qwen3NextRMSNorm", "offset_scale", "eps"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = router_logits(x, block.gate.weight)
