@@ -1,7 +1,8 @@
 """DeepSeek-V2 (and V2-Lite): softmax scores in fp32 from an fp32 router, greedy or group-limited
 top-k, scaled by routed_scaling_factor; ungated shared experts. Latent attention (MLA) whose rotary
 part is rotated as complex pairs (modeling_deepseek_v2.apply_rotary_emb, position_embeddings being
-the complex ``freqs_cis``)."""
+the complex ``freqs_cis``). llama.cpp files DeepSeek-V2, V3 and Kimi-K2 alike as ``deepseek2``:
+``gguf_config`` below reads such a file into either model type."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 scores from an fp32 router, choice by score + e_score_correction_bias among the best n_group
 groups, renormalised (norm_topk_prob) and scaled by routed_scaling_factor; ungated shared experts. Latent
 attention (MLA) with cos/sin rotary, interleaved pairs where ``rope_interleave`` is set (the
-checkpoints' layout), YaRN scaling in the rotary tables and mscale in the attention's ``scaling``."""
+checkpoints' layout), YaRN scaling in the rotary tables and mscale in the attention's ``scaling``.
+Its GGUF files are llama.cpp's ``deepseek2``, read by deepseek_v2.py's ``gguf_config``."""
 
 from __future__ import annotations
 
