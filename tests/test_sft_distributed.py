@@ -183,6 +183,22 @@ def test_ranks_from_the_launchers_environment() -> None:
     assert shares == [[0, 1], [2, 3, 4], [5, 6, 7]]
 
 
+def test_each_local_rank_takes_its_block_of_the_cpus(monkeypatch) -> None:
+    from hetmoe.runtime import process_group
+    from hetmoe.runtime.process_group import cpu_block, share_cpus
+
+    cpus = [0, 1, 2, 3, 8, 9, 10]
+    blocks = [cpu_block(cpus, Ranks(rank=r, world=3, local_rank=r, local_world=3)) for r in range(3)]
+    assert blocks == [[0, 1], [2, 3], [8, 9, 10]]  # contiguous, sizes within one, every CPU once
+    assert cpu_block([4, 5], Ranks(rank=2, world=3, local_rank=2, local_world=3)) == [4]  # more ranks than CPUs
+    assert cpu_block(cpus, Ranks()) == cpus
+    # a launcher that binds ranks itself: HETMOE_SHARE_CPUS=0 leaves the affinity alone
+    monkeypatch.setenv(process_group.SHARE_CPUS_ENV, "0")
+    monkeypatch.setattr(process_group.os, "sched_setaffinity", lambda *a: pytest.fail("affinity changed"))
+    two = Ranks(rank=1, world=2, local_rank=1, local_world=2)
+    assert share_cpus(two) == sorted(process_group.os.sched_getaffinity(0))
+
+
 def test_global_batch_smaller_than_the_world_is_refused(monkeypatch, capsys) -> None:
     from hetmoe.cli.main import main
 

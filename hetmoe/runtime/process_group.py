@@ -116,22 +116,34 @@ def leave(ranks: Ranks) -> None:
         dist.destroy_process_group()
 
 
+SHARE_CPUS_ENV = "HETMOE_SHARE_CPUS"  # "0": leave each rank's CPUs as its launcher set them
+
+
+def cpu_block(cpus: list[int], ranks: Ranks) -> list[int]:
+    """``ranks``' contiguous block of ``cpus`` among the ranks of its host (sizes within one); with
+    more ranks than CPUs each takes one, shared."""
+    n = len(cpus)
+    if ranks.local_world < 2:
+        return list(cpus)
+    if n < ranks.local_world:
+        return [cpus[ranks.local_rank % n]]
+    return list(cpus[ranks.local_rank * n // ranks.local_world : (ranks.local_rank + 1) * n // ranks.local_world])
+
+
 def share_cpus(ranks: Ranks) -> list[int]:
     """This rank's share of the host's usable CPUs (all of them for one process a host).
 
     Where the launcher gave every local rank the same CPUs, each takes a contiguous block of them
-    and pins itself there; the engine's pool and torch's threads then use that block only. Call it
-    before ``join``: the affinity is the calling thread's, which threads started later inherit (the
+    (``cpu_block``) and pins itself there; the engine's pool and torch's threads then use that
+    block only. A launcher that binds each rank to its own CPUs already (numactl, a wrapper)
+    should set ``HETMOE_SHARE_CPUS=0``, or each rank would split its own set again. Call it before
+    ``join``: the affinity is the calling thread's, which threads started later inherit (the
     process group's socket threads among them).
     """
     cpus = sorted(os.sched_getaffinity(0))
-    if ranks.local_world < 2:
+    if ranks.local_world < 2 or os.environ.get(SHARE_CPUS_ENV, "1").strip() in ("0", "off", "false", "no"):
         return cpus
-    n = len(cpus)
-    if n < ranks.local_world:
-        mine = [cpus[ranks.local_rank % n]]  # more ranks than CPUs: they share, one each
-    else:
-        mine = cpus[ranks.local_rank * n // ranks.local_world : (ranks.local_rank + 1) * n // ranks.local_world]
+    mine = cpu_block(cpus, ranks)
     os.sched_setaffinity(0, mine)
     from ..kernels import set_num_threads
     from ..kernels.dispatch import set_idle_spin_us
