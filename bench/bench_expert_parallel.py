@@ -46,7 +46,7 @@ def _decode(model: torch.nn.Module, steps: int, vocab: int) -> list[float]:
         token = out.logits[:, -1:].argmax(-1)
         for hybrid in model.hetmoe.layers.values():  # the decode steps' transfers only, not the prompt's
             if isinstance(hybrid.cpu, RemoteExperts):
-                hybrid.cpu.transfer = TransferStats(rows=[0] * hybrid.cpu.ranks.world)
+                hybrid.cpu.transfer = TransferStats()
         return decode_steps(model, cache, token, steps)
 
 

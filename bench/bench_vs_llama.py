@@ -33,12 +33,13 @@ def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: int) -> dict[st
     import torch
 
     from hetmoe import load_model
+    from hetmoe.gc_pause import freeze_for_decoding
     from hetmoe.runtime.kv_cache import growing_cache
 
     t0 = time.perf_counter()
     model = load_model(path, cpu_threads=threads)
     load_s = time.perf_counter() - t0
-    gc.freeze()  # as hetmoe generate does after its load (hetmoe/gc_pause.py); undone below
+    freeze_for_decoding()  # as hetmoe generate does after its load; undone below
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.atomic import write_text_atomic
+from ..gc_pause import freeze_for_decoding
 from ..hw import cpu_info
 from ..kernels import select_isa, set_num_threads
 from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
@@ -360,7 +361,7 @@ def measure_variant(
         dense_method = None if dense == "default" else dense
         model = load_model(path, method, "cpu", cpu_threads=cfg.threads or None, dense_method=dense_method)
         load_s = time.perf_counter() - t0
-        gc.freeze()  # as hetmoe generate does after its load (gc_pause.py); undone in finally
+        freeze_for_decoding()  # as hetmoe generate does after its load; undone in finally
         rss = memory_status()
         stored = sum(f.stat().st_size for f in files)
         load = {

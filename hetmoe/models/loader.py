@@ -40,7 +40,7 @@ from ..gc_pause import freeze_for_decoding, gc_paused
 from ..kernels.dispatch import set_num_threads
 from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
-from ..runtime.expert_parallel import RemoteExperts, serve_experts
+from ..runtime.expert_parallel import ExpertPlacement, RemoteExperts, serve_experts
 from ..runtime.hybrid import ExpertBackend, HybridMoE
 from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
 from ..runtime.placement import plan_placement
@@ -190,9 +190,6 @@ def load_model(
             expert_parallel=ranks.world if ranks is not None else 1,
             rank=ranks.rank if ranks is not None else 0,
         ).check()
-    if ranks is not None and not ranks.main:
-        shares = (expert_placement, routing_stats)
-        _serve_expert_share(source, layout, adapter, method, params, ranks, shares, config, expert_backend)
 
     check_modes(prefill_threshold, prefill_chunk_bytes, defer_experts, layout.top_k)
     frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
@@ -200,6 +197,8 @@ def load_model(
         placement, layout.moe_layers, layout.num_experts, gpu_experts, gpu_experts_total, frequencies, seed
     )
     shares = placements(layout, ranks.world, expert_placement, frequencies) if ranks is not None else {}
+    if ranks is not None and not ranks.main:
+        _serve_expert_share(source, layout, adapter, method, params, ranks, shares, config, expert_backend)
 
     model = _meta_model(config, model_dtype)
     stats = RuntimeStats(layout.num_experts, layout.top_k, layout.model_type, record_routing=record_routing is not None)
@@ -296,16 +295,12 @@ def _serve_expert_share(
     method: str | None,
     params: dict[str, Any],
     ranks: Ranks,
-    placement: tuple[str, str | Path | None],
+    shares: dict[int, ExpertPlacement],
     config: Any,
     expert_backend: str,
 ) -> None:
     """An expert rank's whole life: read its share of every layer (into the backend rank 0 chooses
-    for its own share), serve rank 0, leave (never returns). ``placement``: how, and the routing
-    statistics for "load"."""
-    how, routing_stats = placement
-    frequencies = load_routing(routing_stats, layout.num_experts) if routing_stats is not None else None
-    shares = placements(layout, ranks.world, how, frequencies)
+    for its own share), serve rank 0, leave (never returns)."""
     backends = {}
     for layer in layout.moe_layers:
         experts = read_layer_experts(source, layout, layer, method, quantize=engine_quantize, **params)

@@ -37,6 +37,7 @@ from ..checkpoint.experts import CONVERT_CHUNK_BYTES
 from ..checkpoint.layout import MoELayout, moe_layout
 from ..formats import get_codec
 from ..runtime.cpu_linear import check_method, codec_params, unsupported_reason
+from ..runtime.process_group import contiguous_share
 
 GiB = 2**30
 MiB = 2**20
@@ -137,8 +138,7 @@ class MemoryPlan:
 
     def experts_on(self, rank: int) -> int:
         """Experts of a layer ``rank`` holds (placement by id or by load deals the same counts)."""
-        n = self.expert_parallel
-        return (rank + 1) * self.experts // n - rank * self.experts // n
+        return len(contiguous_share(range(self.experts), rank, self.expert_parallel))
 
     @property
     def cpu_expert_bytes(self) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..formats.base import QuantizedTensor
-from .process_group import Ranks, collective
+from .process_group import Ranks, collective, contiguous_share
 
 OP_MOE, OP_STOP = 1, 2
 _HEADER = 4  # op, layer, rows, top_k (float32: exact below 2**24)
@@ -72,8 +72,7 @@ class ExpertPlacement:
     @classmethod
     def by_id(cls, num_experts: int, world: int) -> ExpertPlacement:
         """Contiguous blocks of expert ids (sizes within one of each other)."""
-        bounds = [r * num_experts // world for r in range(world + 1)]
-        return cls.from_lists([list(range(bounds[r], bounds[r + 1])) for r in range(world)], num_experts)
+        return cls.from_lists([contiguous_share(range(num_experts), r, world) for r in range(world)], num_experts)
 
     @classmethod
     def by_load(cls, counts: torch.Tensor, world: int) -> ExpertPlacement:
@@ -81,7 +80,7 @@ class ExpertPlacement:
         heaviest first, each to the least-loaded rank that still has room (every rank holds
         ``E / world`` experts, within one, so memory stays even too)."""
         n = int(counts.numel())
-        room = [(r + 1) * n // world - r * n // world for r in range(world)]
+        room = [len(contiguous_share(range(n), r, world)) for r in range(world)]  # by_id's counts
         load = [0.0] * world
         shares: list[list[int]] = [[] for _ in range(world)]
         for e in torch.argsort(counts.double(), descending=True, stable=True).tolist():
@@ -112,7 +111,6 @@ class TransferStats:
     collect_s: float = 0.0  # waiting for the partial sums after rank 0's own share was done
     bytes_sent: int = 0
     bytes_received: int = 0
-    rows: list[int] = field(default_factory=list)  # rows sent to each rank, summed over calls
 
 
 def _first_size(hidden: int, top_k: int) -> int:
@@ -134,7 +132,7 @@ class RemoteExperts:
         self.gate, self.up, self.down = local.gate, local.up, local.down
         self._pending: dict[int, _Call] = {}
         self._next = 0
-        self.transfer = TransferStats(rows=[0] * ranks.world)
+        self.transfer = TransferStats()
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +156,7 @@ class RemoteExperts:
         # Every row once as the ranks receive it (x, ids, weights); each rank's copy then marks the
         # ids of other ranks' experts -1. Few torch calls: a decode step's submit is pure overhead.
         packed = torch.cat([x32, local_ids.to(torch.float32), topk_weights], dim=1)
-        call = _Call(dtype=x.dtype, hidden=hidden)
+        call = _Call(dtype=x.dtype)
         stats = self.transfer
         with collective(self.ranks, f"layer {self.layer}'s expert dispatch"):
             for r in range(1, self.ranks.world):
@@ -179,10 +177,8 @@ class RemoteExperts:
                 call.receives.append((r, rows, back, dist.irecv(back, r)))
                 stats.bytes_sent += (first.numel() + (flat.numel() - width)) * 4
                 stats.bytes_received += back.numel() * 4
-                stats.rows[r] += n
         own = torch.where(owner == 0, local_ids, -1).contiguous()
-        call.local = self.local.submit(x32, own, topk_weights.contiguous())
-        call.keep += [x32, own]
+        call.local = self.local.submit(x32, own, topk_weights.contiguous())  # it keeps its inputs
         stats.calls += 1
         stats.dispatch_s += time.perf_counter() - started
         key = self._next
@@ -216,7 +212,6 @@ class _Call:
     """One submitted layer call on rank 0: its local job, the messages in flight and what they need."""
 
     dtype: torch.dtype
-    hidden: int
     local: int = -1
     sends: list[Any] = field(default_factory=list)
     receives: list[tuple[int, torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)

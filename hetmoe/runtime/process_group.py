@@ -51,8 +51,14 @@ class Ranks:
 
     def take(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous share of ``items`` (sizes differ by at most one)."""
-        n = len(items)
-        return list(items[self.rank * n // self.world : (self.rank + 1) * n // self.world])
+        return contiguous_share(items, self.rank, self.world)
+
+
+def contiguous_share(items: Sequence[T], index: int, count: int) -> list[T]:
+    """Share ``index`` of ``items`` cut into ``count`` contiguous runs whose sizes differ by at most
+    one (the batch between ranks, a host's CPUs, a layer's experts)."""
+    n = len(items)
+    return list(items[index * n // count : (index + 1) * n // count])
 
 
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -122,12 +128,9 @@ SHARE_CPUS_ENV = "HETMOE_SHARE_CPUS"  # "0": leave each rank's CPUs as its launc
 def cpu_block(cpus: list[int], ranks: Ranks) -> list[int]:
     """``ranks``' contiguous block of ``cpus`` among the ranks of its host (sizes within one); with
     more ranks than CPUs each takes one, shared."""
-    n = len(cpus)
-    if ranks.local_world < 2:
-        return list(cpus)
-    if n < ranks.local_world:
-        return [cpus[ranks.local_rank % n]]
-    return list(cpus[ranks.local_rank * n // ranks.local_world : (ranks.local_rank + 1) * n // ranks.local_world])
+    if len(cpus) < ranks.local_world:
+        return [cpus[ranks.local_rank % len(cpus)]]
+    return contiguous_share(cpus, ranks.local_rank, ranks.local_world)
 
 
 def share_cpus(ranks: Ranks) -> list[int]:
