@@ -10,6 +10,12 @@ model's stream only. A byte-level BPE tokenizer is trained on the library and ch
 slice of modules (chosen by a hash of the module name, so it never depends on the seed) is held
 out: its loss gives the reported perplexity and its first 64 KB become ``heldout.txt``.
 
+Two stages: stage 1 samples random windows of the code stream (Recipe.steps); stage 2, the polish
+(Recipe.polish_steps), continues from stage 1's bf16-rounded weights with a fresh optimizer at a low
+learning rate, half of each batch's code rows starting at a top-level ``def``/``class``, which teaches
+the model what follows a bare signature at column 0. ``--stage1 DIR`` takes stage 1 from an earlier
+run's output (checked to be this recipe and seed) and runs stage 2 alone, bit for bit as a whole run.
+
 The run is deterministic for a given ``--seed`` on a given machine (same Python stdlib, same torch
 thread count): data order, initialisation and batch sampling all derive from the seed.
 
@@ -20,7 +26,9 @@ the target and renamed into place only when complete: config.json, generation_co
 and heldout.txt.
 
 examples:
-  python scripts/train_default_model.py                       # the shipped model (~95 min on a 2-core box)
+  python scripts/train_default_model.py                       # the shipped model (~2 h on a 2-core box)
+  python scripts/train_default_model.py --polish-steps 0 --out /tmp/s1   # stage 1 only, then stage 2 alone:
+  python scripts/train_default_model.py --stage1 /tmp/s1 --out /tmp/m
   python scripts/train_default_model.py --seed 1 --steps 300 --out /tmp/m
   python scripts/train_default_model.py --smoke --out /tmp/smoke   # seconds: a tiny model, for tests
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import hashlib
 import inspect
 import json
@@ -37,7 +46,7 @@ import random
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +113,14 @@ class Recipe:
     max_files: int = 0  # 0 = every file
     eval_windows: int = 160
     stdlib_tests: bool = True  # add TEST_DIRS to the training code stream
+    # Stage 2, "polish": from stage 1's bf16-rounded weights, a fresh optimizer and a short schedule
+    # in which some code rows start at a top-level `def`/`class` of a library module. Random windows
+    # almost never start there, so after stage 1 the model indented a top-level function's body as a
+    # method's (12 spaces) and never closed it: a prompt that is a bare signature is exactly such a start.
+    polish_steps: int = 1500
+    polish_lr: float = 3e-4
+    polish_warmup: int = 20
+    polish_def_rows: int = 8  # of the batch's code rows
 
 
 SMOKE = Recipe(
@@ -123,7 +140,11 @@ SMOKE = Recipe(
     max_files=12,
     eval_windows=4,
     stdlib_tests=False,
+    polish_steps=2,
+    polish_warmup=1,
+    polish_def_rows=1,
 )
+STAGE1_FIELDS = tuple(f for f in asdict(Recipe()) if not f.startswith("polish_"))
 
 
 # ---------------------------------------------------------------- data
@@ -177,6 +198,23 @@ def stdlib_modules(max_files: int = 0) -> list[Module]:
     if not modules:
         raise SystemExit(f"no Python sources found under {root}")
     return modules
+
+
+def top_level_offsets(text: str) -> list[int]:
+    """Character offsets of the lines that open a top-level function or class (its first decorator)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    line_starts = [0]
+    for line in text.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            out.append(line_starts[first - 1])
+    return out
 
 
 def is_heldout(name: str) -> bool:
@@ -336,6 +374,155 @@ def batches(
         yield torch.stack(rows)
 
 
+def code_stream(library: list[str], tests: list[str], tok: Any, eot: int) -> tuple[Any, list[int]]:
+    """The code token stream (library modules, then tests, each ended by ``eot``) and the positions of
+    the library's top-level definitions in it."""
+    import torch
+
+    flat: list[int] = []
+    def_starts: list[int] = []
+    texts = library + tests
+    for i, (text, enc) in enumerate(zip(texts, tok.encode_batch(texts), strict=True)):
+        if i < len(library):
+            token_starts = [a for a, _ in enc.offsets]
+            for offset in top_level_offsets(text):
+                j = bisect.bisect_left(token_starts, offset)
+                if j < len(token_starts) and token_starts[j] == offset:
+                    def_starts.append(len(flat) + j)
+        flat += [*enc.ids, eot]
+    return torch.tensor(flat, dtype=torch.long), def_starts
+
+
+def polish_batches(code: Any, def_starts: Any, chat: Any, chat_starts: Any, recipe: Recipe, gen: Any) -> Iterator[Any]:
+    """Stage 2's batches: ``polish_def_rows`` code rows start at a top-level definition."""
+    import torch
+
+    n = recipe.seq_len + 1
+    def_rows = recipe.polish_def_rows if def_starts else 0  # a smoke run's few files may define nothing
+    random_rows = recipe.batch_size - recipe.chat_rows - def_rows
+    while True:
+        rows = []
+        picks = torch.randint(0, max(1, len(def_starts)), (def_rows,), generator=gen)
+        rows += [code[s : s + n] for s in (min(int(def_starts[p]), len(code) - n) for p in picks.tolist())]
+        starts = torch.randint(0, len(code) - n, (random_rows,), generator=gen)
+        rows += [code[s : s + n] for s in starts.tolist()]
+        picks = torch.randint(0, len(chat_starts), (recipe.chat_rows,), generator=gen)
+        for p in picks.tolist():
+            s = min(int(chat_starts[p]), len(chat) - n)
+            rows.append(chat[s : s + n])
+        yield torch.stack(rows)
+
+
+def polish_lr_at(step: int, recipe: Recipe) -> float:
+    """Stage 2: linear warmup (the optimizer starts fresh), then cosine decay to a tenth."""
+    if step < recipe.polish_warmup:
+        return recipe.polish_lr * (step + 1) / recipe.polish_warmup
+    t = (step - recipe.polish_warmup) / max(1, recipe.polish_steps - recipe.polish_warmup)
+    return recipe.polish_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def new_optimizer(model: Any, recipe: Recipe) -> Any:
+    import torch
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+@dataclass
+class StageResult:
+    tokens_seen: int
+    seconds: float
+    loss_last50: float
+
+
+def train_stage(
+    model: Any, data: Iterator[Any], steps: int, lr: Callable[[int], float], recipe: Recipe, label: str
+) -> StageResult:
+    """``steps`` optimizer steps of next-token loss plus the router's balance loss, with progress."""
+    import torch
+
+    opt = new_optimizer(model, recipe)
+    start = time.perf_counter()
+    tokens_seen = 0
+    recent: list[float] = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr(step)
+        batch = next(data)
+        out = model(input_ids=batch[:, :-1], output_router_logits=True)
+        logits = out.logits.float()
+        lm = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = lm + recipe.router_aux_loss_coef * out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens_seen += batch[:, 1:].numel()
+        recent.append(float(lm.detach()))
+        recent = recent[-50:]
+        if step % 25 == 0 or step == steps - 1:
+            el = time.perf_counter() - start
+            print(
+                f"{label} step {step + 1}/{steps} loss {float(lm.detach()):.3f} "
+                f"(avg50 {sum(recent) / len(recent):.3f}) lr {lr(step):.2e} "
+                f"{tokens_seen / el:,.0f} tokens/s elapsed {el:.0f} s",
+                flush=True,
+            )
+    return StageResult(tokens_seen, time.perf_counter() - start, sum(recent) / max(1, len(recent)))
+
+
+def load_stage1(directory: Path, seed: int, recipe: Recipe, tokenizer_json: str, model: Any) -> dict[str, Any]:
+    """Stage 1's weights from an earlier run's output, after checking it is this recipe's stage 1."""
+    import torch
+    from tokenizers import Tokenizer
+
+    try:
+        report = json.loads((directory / "training_report.json").read_text())
+        saved = type(model).from_pretrained(str(directory), dtype=torch.float32)  # bf16 widens exactly
+        saved_tok = Tokenizer.from_file(str(directory / "tokenizer.json")).to_str()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--stage1 {directory}: cannot read its model, tokenizer or report ({exc})") from None
+    if report.get("polish", {}).get("steps", 0):
+        raise SystemExit(
+            f"--stage1 {directory}: it holds a polished model (stage 2 ran {report['polish']['steps']} steps); "
+            "give it the output of a run with --polish-steps 0"
+        )
+    report = report.get("stage1", report)
+    want = {f: asdict(recipe)[f] for f in STAGE1_FIELDS}
+    got = {f: report.get("recipe", {}).get(f) for f in STAGE1_FIELDS}
+    if report.get("seed") != seed or got != want:
+        diff = {f: (got[f], want[f]) for f in STAGE1_FIELDS if got[f] != want[f]}
+        raise SystemExit(
+            f"--stage1 {directory}: not stage 1 of this run (seed {report.get('seed')} vs {seed}, "
+            f"recipe fields found vs expected: {diff})"
+        )
+    if saved_tok != tokenizer_json:
+        raise SystemExit(f"--stage1 {directory}: its tokenizer.json differs from the one this run trained")
+    model.load_state_dict(saved.state_dict())
+    keep = ("seed", "steps", "tokens_seen", "train_seconds", "wall_seconds", "torch_threads", "train_loss_last50")
+    return {
+        **{k: report[k] for k in keep if k in report},
+        "heldout_loss": report.get("heldout_loss"),
+        "heldout_perplexity": report.get("heldout_perplexity"),
+        "recipe": got,
+    }
+
+
+def round_to_bf16(model: Any) -> None:
+    """Round the parameters to what ships (bf16), kept in fp32. Not ``model.to(bfloat16)``: that
+    rounds the rotary frequencies too, a buffer that is not saved and that a loaded model computes exact."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
 def heldout_loss(model: Any, tokens: Any, recipe: Recipe) -> tuple[float, int]:
     """Mean next-token loss over non-overlapping seq_len windows of the held-out token stream."""
     import torch
@@ -385,6 +572,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; the bits depend on it)")
+    p.add_argument("--polish-steps", type=int, default=None, help="stage 2 steps (default: the recipe's)")
+    p.add_argument(
+        "--stage1",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="take stage 1's weights from DIR (an earlier run of this recipe and seed) and run stage 2 only",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, few files, few steps: a check, not a model")
     return p.parse_args(argv)
 
@@ -400,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             raise SystemExit(f"--steps must be >= 1, got {args.steps}")
         recipe = Recipe(**{**asdict(recipe), "steps": args.steps})
+    if args.polish_steps is not None:
+        if args.polish_steps < 0:
+            raise SystemExit(f"--polish-steps must be >= 0, got {args.polish_steps}")
+        recipe = Recipe(**{**asdict(recipe), "polish_steps": args.polish_steps})
     t0 = time.perf_counter()
 
     modules = stdlib_modules(recipe.max_files)
@@ -434,12 +633,12 @@ def main(argv: list[str] | None = None) -> int:
             flat += [*enc.ids, eot]
         return torch.tensor(flat, dtype=torch.long), starts
 
-    code, _ = stream([m.text for m in order + tests])
+    code, def_starts = code_stream([m.text for m in order], [m.text for m in tests], tok, eot)
     chat, chat_starts = stream(chat_texts)
     held_tokens, _ = stream([m.text for m in held])
     print(
-        f"tokens: code {len(code):,}, chat {len(chat):,}, held-out {len(held_tokens):,} "
-        f"(vocab {tok.get_vocab_size()}, {time.perf_counter() - t0:.1f} s)",
+        f"tokens: code {len(code):,} ({len(def_starts):,} top-level definitions), chat {len(chat):,}, "
+        f"held-out {len(held_tokens):,} (vocab {tok.get_vocab_size()}, {time.perf_counter() - t0:.1f} s)",
         flush=True,
     )
 
@@ -448,47 +647,54 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: {params / 1e6:.2f} M parameters, {recipe.steps} steps of {recipe.batch_size}x{recipe.seq_len}",
+        f"model: {params / 1e6:.2f} M parameters, {recipe.steps} + {recipe.polish_steps} steps of "
+        f"{recipe.batch_size}x{recipe.seq_len}",
         flush=True,
     )
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=recipe.lr,
-        betas=(0.9, 0.95),
+    if args.stage1 is not None:
+        stage1 = load_stage1(args.stage1, args.seed, recipe, tok.to_str(), model)
+        print(f"stage 1: weights of {args.stage1} (held-out perplexity {stage1['heldout_perplexity']})", flush=True)
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        first = train_stage(
+            model,
+            batches(code, chat, chat_starts, recipe, gen),
+            recipe.steps,
+            lambda i: lr_at(i, recipe),
+            recipe,
+            "stage 1",
+        )
+        # Stage 2 starts from what stage 1 would ship, so a run from --stage1 continues bit for bit.
+        round_to_bf16(model)
+        held_loss, held_count = heldout_loss(model, held_tokens, recipe)
+        stage1 = {
+            "seed": args.seed,
+            "steps": recipe.steps,
+            "tokens_seen": first.tokens_seen,
+            "train_seconds": round(first.seconds, 1),
+            "wall_seconds": round(time.perf_counter() - t0, 1),
+            "torch_threads": args.threads,
+            "train_loss_last50": round(first.loss_last50, 4),
+            "heldout_loss": round(held_loss, 4),
+            "heldout_perplexity": round(math.exp(held_loss), 3),
+            "recipe": {f: asdict(recipe)[f] for f in STAGE1_FIELDS},
+        }
+        print(f"stage 1 held-out: loss {held_loss:.4f}, perplexity {math.exp(held_loss):.2f}", flush=True)
+    model.train()
+    gen = torch.Generator().manual_seed(args.seed + 1_000_003)  # independent of stage 1's draws
+    second = train_stage(
+        model,
+        polish_batches(code, def_starts, chat, chat_starts, recipe, gen),
+        recipe.polish_steps,
+        lambda i: polish_lr_at(i, recipe),
+        recipe,
+        "stage 2",
     )
-    gen = torch.Generator().manual_seed(args.seed)
-    data = batches(code, chat, chat_starts, recipe, gen)
-    train_start = time.perf_counter()
-    tokens_seen = 0
-    recent: list[float] = []
-    for step in range(recipe.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, recipe)
-        batch = next(data)
-        out = model(input_ids=batch[:, :-1], output_router_logits=True)
-        logits = out.logits.float()
-        lm = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        loss = lm + recipe.router_aux_loss_coef * out.aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        tokens_seen += batch[:, 1:].numel()
-        recent.append(float(lm.detach()))
-        recent = recent[-50:]
-        if step % 25 == 0 or step == recipe.steps - 1:
-            el = time.perf_counter() - train_start
-            print(
-                f"step {step + 1}/{recipe.steps} loss {float(lm.detach()):.3f} (avg50 {sum(recent) / len(recent):.3f}) "
-                f"lr {lr_at(step, recipe):.2e} {tokens_seen / el:,.0f} tokens/s elapsed {el:.0f} s",
-                flush=True,
-            )
-    train_seconds = time.perf_counter() - train_start
+    tokens_seen = stage1["tokens_seen"] + second.tokens_seen
+    train_seconds = stage1["train_seconds"] + second.seconds
 
     # Evaluate what ships: the bf16-rounded weights, computed in fp32.
-    model = model.to(torch.bfloat16).to(torch.float32)
+    round_to_bf16(model)
     held_loss, held_count = heldout_loss(model, held_tokens, recipe)
     print(f"held-out: loss {held_loss:.4f}, perplexity {math.exp(held_loss):.2f} over {held_count:,} tokens")
     report = {
@@ -497,14 +703,23 @@ def main(argv: list[str] | None = None) -> int:
         "steps": recipe.steps,
         "tokens_seen": tokens_seen,
         "train_seconds": round(train_seconds, 1),
+        # This run's wall time; with --stage1 it ran stage 2 only (stage 1's own is in "stage1").
         "wall_seconds": round(time.perf_counter() - t0, 1),
+        "stage1_from": str(args.stage1) if args.stage1 is not None else None,
         "torch_threads": args.threads,
         "parameters": params,
-        "train_loss_last50": round(sum(recent) / len(recent), 4),
+        "train_loss_last50": round(second.loss_last50 if recipe.polish_steps else stage1["train_loss_last50"], 4),
         "heldout_loss": round(held_loss, 4),
         "heldout_perplexity": round(math.exp(held_loss), 3),
         "heldout_tokens": held_count,
         "recipe": asdict(recipe),
+        "stage1": stage1,
+        "polish": {
+            "steps": recipe.polish_steps,
+            "tokens_seen": second.tokens_seen,
+            "train_seconds": round(second.seconds, 1),
+            "rows": f"{recipe.polish_def_rows} of {recipe.batch_size} start at a top-level def/class",
+        },
         "data": {
             "source": f"Python {sys.version.split()[0]} standard library sources (sysconfig stdlib path)",
             "skipped": f"directories {sorted(SKIP_DIRS)}, config-*, _sysconfigdata*, files > {MAX_FILE_BYTES} bytes"
@@ -517,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             "chat_recipe": "What does `mod.name` do? -> docstring's first paragraph; "
             "Write a Python function named `name` [that does this: summary] -> its source",
             "tokens": {"code": len(code), "chat": len(chat), "heldout": len(held_tokens)},
+            "top_level_definitions": len(def_starts),
         },
     }
 

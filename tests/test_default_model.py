@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -172,6 +174,53 @@ def test_readme_command_does_not_repeat_itself(method: str | None, capsys) -> No
     assert worst[1] <= 2, (worst, out)
 
 
+def _heldout_signatures(model_dir: Path, count: int = 5) -> list[str]:
+    """The first ``count`` one-line top-level function signatures of heldout.txt (modules never trained on)."""
+    text = (model_dir / "heldout.txt").read_text()
+    return re.findall(r"^def [^\n]*:$", text, re.M)[:count]
+
+
+def _function_so_far(signature: str, completion: str, hit_limit: bool) -> str:
+    """The signature and its completion up to the first line back at the signature's column (the
+    function has ended). A completion that ran out of tokens inside the body loses its last line,
+    which the token limit cut, not the model."""
+    body: list[str] = []
+    for line in completion.removeprefix("\n").split("\n"):
+        if line.strip() and not line[0].isspace():
+            break
+        body.append(line)
+    else:
+        if hit_limit:
+            body = body[:-1]
+    return signature + "\n" + "\n".join(body)
+
+
+def test_function_so_far_cuts_at_the_dedent() -> None:
+    got = _function_so_far("def f(x):", "\n    y = x\n    return y\n\ndef g(", hit_limit=False)
+    assert got == "def f(x):\n    y = x\n    return y\n"
+    assert _function_so_far("def f(x):", "\n    return (x +", hit_limit=True) == "def f(x):\n"
+
+
+@pytest.mark.parametrize("method", ["int4", None])
+def test_greedy_completions_of_heldout_signatures_parse(model_dir: Path, method: str | None, capsys) -> None:
+    """Issue 22: `hetmoe generate SIGNATURE --temperature 0` (greedy, with the model's repetition
+    penalty and n-gram ban) continues 5 held-out signatures into Python that parses in at least 3."""
+    signatures = _heldout_signatures(model_dir)
+    assert len(signatures) == 5, signatures
+    parsed = []
+    for signature in signatures:
+        argv = ["generate", signature, "--temperature", "0", "--max-new-tokens", "128", "--threads", "1"]
+        assert main(argv + (["--method", method] if method else [])) == 0
+        out, err = capsys.readouterr()
+        code = _function_so_far(signature, out.rstrip("\n"), hit_limit="decode: 127 tokens" in err)
+        try:
+            ast.parse(code)
+            parsed.append(signature)
+        except SyntaxError:
+            pass
+    assert len(parsed) >= 3, (parsed, signatures)
+
+
 def _load_script():
     """scripts/ is not a package: import the file by path (registered first, as dataclasses need)."""
     if "train_default_model" in sys.modules:
@@ -198,6 +247,17 @@ def test_training_script_is_deterministic(tmp_path: Path, capsys) -> None:
     for f in ("model.safetensors", "tokenizer.json", "heldout.txt"):
         assert (runs["a"] / f).read_bytes() == (runs["b"] / f).read_bytes(), f
     assert (runs["a"] / "model.safetensors").read_bytes() != (runs["c"] / "model.safetensors").read_bytes()
+    # Stage 2 from a saved stage 1 (--stage1) continues bit for bit what one whole run does.
+    common = ["--smoke", "--seed", "0", "--threads", "1"]
+    assert script.main([*common, "--polish-steps", "0", "--out", str(tmp_path / "stage1")]) == 0
+    assert script.main([*common, "--stage1", str(tmp_path / "stage1"), "--out", str(tmp_path / "resumed")]) == 0
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (runs["a"] / "model.safetensors").read_bytes()
+    report = json.loads((tmp_path / "resumed" / "training_report.json").read_text())
+    assert report["stage1"]["steps"] == 4 and report["polish"]["steps"] == 2
+    with pytest.raises(SystemExit, match="holds a polished model"):
+        script.main([*common, "--stage1", str(runs["a"]), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="not stage 1 of this run"):
+        script.main([*common, "--seed", "1", "--stage1", str(tmp_path / "stage1"), "--out", str(tmp_path / "x")])
     report = json.loads((runs["a"] / "training_report.json").read_text())
     assert report["smoke"] is True and report["steps"] == 4 and report["seed"] == 0
     # Writing again over an existing model replaces it whole.
