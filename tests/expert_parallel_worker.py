@@ -29,7 +29,9 @@ def main() -> None:
     placement = sys.argv[4] if len(sys.argv) > 4 else "id"
     stats = sys.argv[5] if len(sys.argv) > 5 else None
     world = int(os.environ["WORLD_SIZE"])
-    model = hetmoe.load_model(model_dir, expert_parallel=world, expert_placement=placement, routing_stats=stats)
+    model = hetmoe.load_model(
+        model_dir, dtype="float32", expert_parallel=world, expert_placement=placement, routing_stats=stats
+    )
     tokens = greedy(model, steps)  # rank 0 only: the others never return from load_model
     out.write_text(json.dumps({"tokens": tokens, "notes": model.hetmoe.notes}))
 
