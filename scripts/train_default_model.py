@@ -12,7 +12,7 @@ out: its loss gives the reported perplexity and its first 64 KB become ``heldout
 
 Two stages: stage 1 samples random windows of the code stream (Recipe.steps); stage 2, the polish
 (Recipe.polish_steps), continues from stage 1's bf16-rounded weights with a fresh optimizer at a low
-learning rate, half of each batch's code rows starting at a top-level ``def``/``class``, which teaches
+learning rate, 8 of each batch's 12 code rows starting at a top-level ``def``/``class``, which teaches
 the model what follows a bare signature at column 0. ``--stage1 DIR`` takes stage 1 from an earlier
 run's output (checked to be this recipe and seed) and runs stage 2 alone, bit for bit as a whole run.
 
@@ -115,8 +115,8 @@ class Recipe:
     stdlib_tests: bool = True  # add TEST_DIRS to the training code stream
     # Stage 2, "polish": from stage 1's bf16-rounded weights, a fresh optimizer and a short schedule
     # in which some code rows start at a top-level `def`/`class` of a library module. Random windows
-    # almost never start there, so after stage 1 the model indented a top-level function's body as a
-    # method's (12 spaces) and never closed it: a prompt that is a bare signature is exactly such a start.
+    # almost never start there, so after stage 1 the model often indented a top-level function's body
+    # as a method's (12 spaces): a prompt that is a bare signature is exactly such a start.
     polish_steps: int = 1500
     polish_lr: float = 3e-4
     polish_warmup: int = 20
