@@ -357,14 +357,22 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 def batches(
-    code: Any, chat: Any, chat_starts: Any, recipe: Recipe, gen: Any
+    code: Any, chat: Any, chat_starts: Any, recipe: Recipe, gen: Any, def_starts: Any = (), def_rows: int = 0
 ) -> Iterator[Any]:  # tensors; torch imported lazily
+    """Rows of seq_len + 1 tokens: ``def_rows`` code rows from ``def_starts`` (stage 2's top-level
+    definitions), the other code rows at random, then ``chat_rows`` from the starts of chat examples."""
     import torch
 
     n = recipe.seq_len + 1
-    code_rows = recipe.batch_size - recipe.chat_rows
+    def_rows = def_rows if len(def_starts) else 0  # a smoke run's few files may define nothing
+    code_rows = recipe.batch_size - recipe.chat_rows - def_rows
     while True:
         rows = []
+        if def_rows:  # stage 1 draws nothing here, so its batches are those of a run without stage 2
+            picks = torch.randint(0, len(def_starts), (def_rows,), generator=gen)
+            for p in picks.tolist():
+                s = min(int(def_starts[p]), len(code) - n)
+                rows.append(code[s : s + n])
         starts = torch.randint(0, len(code) - n, (code_rows,), generator=gen)
         rows += [code[s : s + n] for s in starts.tolist()]
         picks = torch.randint(0, len(chat_starts), (recipe.chat_rows,), generator=gen)
@@ -391,26 +399,6 @@ def code_stream(library: list[str], tests: list[str], tok: Any, eot: int) -> tup
                     def_starts.append(len(flat) + j)
         flat += [*enc.ids, eot]
     return torch.tensor(flat, dtype=torch.long), def_starts
-
-
-def polish_batches(code: Any, def_starts: Any, chat: Any, chat_starts: Any, recipe: Recipe, gen: Any) -> Iterator[Any]:
-    """Stage 2's batches: ``polish_def_rows`` code rows start at a top-level definition."""
-    import torch
-
-    n = recipe.seq_len + 1
-    def_rows = recipe.polish_def_rows if def_starts else 0  # a smoke run's few files may define nothing
-    random_rows = recipe.batch_size - recipe.chat_rows - def_rows
-    while True:
-        rows = []
-        picks = torch.randint(0, max(1, len(def_starts)), (def_rows,), generator=gen)
-        rows += [code[s : s + n] for s in (min(int(def_starts[p]), len(code) - n) for p in picks.tolist())]
-        starts = torch.randint(0, len(code) - n, (random_rows,), generator=gen)
-        rows += [code[s : s + n] for s in starts.tolist()]
-        picks = torch.randint(0, len(chat_starts), (recipe.chat_rows,), generator=gen)
-        for p in picks.tolist():
-            s = min(int(chat_starts[p]), len(chat) - n)
-            rows.append(chat[s : s + n])
-        yield torch.stack(rows)
 
 
 def polish_lr_at(step: int, recipe: Recipe) -> float:
@@ -684,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed + 1_000_003)  # independent of stage 1's draws
     second = train_stage(
         model,
-        polish_batches(code, def_starts, chat, chat_starts, recipe, gen),
+        batches(code, chat, chat_starts, recipe, gen, def_starts, recipe.polish_def_rows),
         recipe.polish_steps,
         lambda i: polish_lr_at(i, recipe),
         recipe,
