@@ -348,12 +348,12 @@ def build_model(recipe: Recipe, ids: dict[str, int]) -> Any:
     return Qwen3MoeForCausalLM(config)
 
 
-def lr_at(step: int, recipe: Recipe) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < recipe.warmup:
-        return recipe.lr * (step + 1) / recipe.warmup
-    t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-    return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+def warmup_cosine(step: int, peak: float, warmup: int, steps: int) -> float:
+    """Linear warmup to ``peak``, then cosine decay to a tenth of it (both stages' schedule)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 def batches(
@@ -382,31 +382,24 @@ def batches(
         yield torch.stack(rows)
 
 
-def code_stream(library: list[str], tests: list[str], tok: Any, eot: int) -> tuple[Any, list[int]]:
-    """The code token stream (library modules, then tests, each ended by ``eot``) and the positions of
-    the library's top-level definitions in it."""
+def token_stream(texts: list[str], tok: Any, eot: int, definitions_in: int = 0) -> tuple[Any, list[int], list[int]]:
+    """``texts`` as one token stream, each ended by ``eot``; the positions where each text starts; and
+    those of the top-level definitions of the first ``definitions_in`` texts (stage 2's row starts)."""
     import torch
 
     flat: list[int] = []
+    starts: list[int] = []
     def_starts: list[int] = []
-    texts = library + tests
     for i, (text, enc) in enumerate(zip(texts, tok.encode_batch(texts), strict=True)):
-        if i < len(library):
+        starts.append(len(flat))
+        if i < definitions_in:
             token_starts = [a for a, _ in enc.offsets]
             for offset in top_level_offsets(text):
                 j = bisect.bisect_left(token_starts, offset)
                 if j < len(token_starts) and token_starts[j] == offset:
                     def_starts.append(len(flat) + j)
         flat += [*enc.ids, eot]
-    return torch.tensor(flat, dtype=torch.long), def_starts
-
-
-def polish_lr_at(step: int, recipe: Recipe) -> float:
-    """Stage 2: linear warmup (the optimizer starts fresh), then cosine decay to a tenth."""
-    if step < recipe.polish_warmup:
-        return recipe.polish_lr * (step + 1) / recipe.polish_warmup
-    t = (step - recipe.polish_warmup) / max(1, recipe.polish_steps - recipe.polish_warmup)
-    return recipe.polish_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+    return torch.tensor(flat, dtype=torch.long), starts, def_starts
 
 
 def new_optimizer(model: Any, recipe: Recipe) -> Any:
@@ -613,17 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     eot = ids["<|endoftext|>"]
 
-    def stream(texts: list[str]) -> tuple[Any, list[int]]:
-        flat: list[int] = []
-        starts: list[int] = []
-        for enc in tok.encode_batch(texts):
-            starts.append(len(flat))
-            flat += [*enc.ids, eot]
-        return torch.tensor(flat, dtype=torch.long), starts
-
-    code, def_starts = code_stream([m.text for m in order], [m.text for m in tests], tok, eot)
-    chat, chat_starts = stream(chat_texts)
-    held_tokens, _ = stream([m.text for m in held])
+    code, _, def_starts = token_stream([m.text for m in order + tests], tok, eot, definitions_in=len(order))
+    chat, chat_starts, _ = token_stream(chat_texts, tok, eot)
+    held_tokens, _, _ = token_stream([m.text for m in held], tok, eot)
     print(
         f"tokens: code {len(code):,} ({len(def_starts):,} top-level definitions), chat {len(chat):,}, "
         f"held-out {len(held_tokens):,} (vocab {tok.get_vocab_size()}, {time.perf_counter() - t0:.1f} s)",
@@ -648,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             model,
             batches(code, chat, chat_starts, recipe, gen),
             recipe.steps,
-            lambda i: lr_at(i, recipe),
+            lambda i: warmup_cosine(i, recipe.lr, recipe.warmup, recipe.steps),
             recipe,
             "stage 1",
         )
@@ -674,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         model,
         batches(code, chat, chat_starts, recipe, gen, def_starts, recipe.polish_def_rows),
         recipe.polish_steps,
-        lambda i: polish_lr_at(i, recipe),
+        lambda i: warmup_cosine(i, recipe.polish_lr, recipe.polish_warmup, recipe.polish_steps),  # fresh optimizer
         recipe,
         "stage 2",
     )
