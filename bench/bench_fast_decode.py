@@ -4,8 +4,9 @@ per architecture, on random models with a real model's attention, in one run, al
 
     python bench/bench_fast_decode.py --family glm4_moe --family minimax_m2 --rounds 3
 
-Each family's model has the attention and hidden size of the model named in ``SHAPES`` (heads, KV
-heads, head_dim, the rotary part, biases, q/k norms) and 4 layers, but 16 experts a layer and a
+Each family's model has the attention and hidden size of the model hetmoe/bench/arch_models.py
+names (heads, KV heads, head_dim, the rotary part, biases, q/k norms) and 4 layers, but 16 experts
+a layer and a
 32,000-token vocabulary: the attention half and the glue between modules, which is what the
 one-call step changes, stay as in the real model, while the expert and lm_head bytes a step reads
 are smaller. Models are built once (random bf16, transformers' ``save_pretrained``) under --cache.
@@ -31,109 +32,15 @@ from typing import Any
 
 import torch
 
-# config fields per family: the attention of the named model, 4 layers, 16 experts, vocab 32000
-_SMALL = {"num_hidden_layers": 4, "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}
-SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3_moe": (
-        "Qwen3-30B-A3B",
-        {
-            "hidden_size": 2048,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "intermediate_size": 6144,
-            "moe_intermediate_size": 768,
-            "num_experts": 16,
-            "num_experts_per_tok": 8,
-            "norm_topk_prob": True,
-        },
-    ),
-    "glm4_moe": (
-        "GLM-4.5-Air",
-        {
-            "hidden_size": 4096,
-            "num_attention_heads": 96,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "attention_bias": True,
-            "use_qk_norm": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
-            "first_k_dense_replace": 1,
-            "intermediate_size": 10944,
-            "moe_intermediate_size": 1408,
-            "n_routed_experts": 16,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 8,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-    ),
-    "minimax_m2": (
-        "MiniMax-M2",
-        {
-            "hidden_size": 3072,
-            "num_attention_heads": 48,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
-            "intermediate_size": 1536,
-            "num_local_experts": 16,
-            "num_experts_per_tok": 8,
-        },
-    ),
-    "deepseek_v3": (
-        "DeepSeek-V2-Lite's layers with q_lora 1536, the V3 architecture",
-        {
-            "hidden_size": 2048,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
-            "q_lora_rank": 1536,
-            "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64,
-            "qk_nope_head_dim": 128,
-            "v_head_dim": 128,
-            "rope_interleave": True,
-            "first_k_dense_replace": 1,
-            "intermediate_size": 10944,
-            "moe_intermediate_size": 1408,
-            "n_routed_experts": 16,
-            "n_shared_experts": 2,
-            "num_experts_per_tok": 6,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-    ),
-    "gpt_oss": (
-        "gpt-oss-20b",
-        {
-            "hidden_size": 2880,
-            "num_attention_heads": 64,
-            "num_key_value_heads": 8,
-            "head_dim": 64,
-            "attention_bias": True,
-            "sliding_window": 128,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 32.0,
-                "original_max_position_embeddings": 4096,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-            },
-            "intermediate_size": 2880,
-            "num_local_experts": 16,
-            "num_experts_per_tok": 4,
-        },
-    ),
-}
+from hetmoe.bench.arch_models import ARCHS, ArchModel
+
+FAMILIES = ("qwen3_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss")
+EXPERTS = 16  # a layer's routed experts here (the released models have 32 to 256)
 DEFAULT_CACHE = Path.home() / ".cache" / "hetmoe" / "bench-fast-decode"
 
 
 def build(family: str, cache: Path) -> Path:
     """The family's random model directory, written once (atomically) under ``cache``."""
-    import transformers
     from transformers import AutoModelForCausalLM
 
     from hetmoe.checkpoint.atomic import atomic_dir
@@ -141,7 +48,7 @@ def build(family: str, cache: Path) -> Path:
     out = cache / family
     if (out / "config.json").is_file():
         return out
-    config = transformers.CONFIG_MAPPING[family](**_SMALL, **SHAPES[family][1])
+    config = ArchModel(family, layers=4, vocab=32000, experts=EXPERTS).config()
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -188,7 +95,7 @@ def eager_attention(model: Any) -> str | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", action="append", choices=list(SHAPES), help="repeat; default: all")
+    p.add_argument("--family", action="append", choices=FAMILIES, help="repeat; default: all")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before the steps (default 32)")
@@ -198,11 +105,11 @@ def main() -> int:
     args = p.parse_args()
     from hetmoe import load_model
 
-    families = args.family or list(SHAPES)
+    families = args.family or list(FAMILIES)
     models = {f: load_model(build(f, args.cache), cpu_threads=args.threads) for f in families}
     for f, model in models.items():
         fast = sum(getattr(vars(m).get("forward"), "hetmoe_fast_decode", False) for m in model.modules())
-        print(f"{f} ({SHAPES[f][0]} attention): {fast} of {model.config.num_hidden_layers} layers take one call")
+        print(f"{f} ({ARCHS[f].model} attention): {fast} of {model.config.num_hidden_layers} layers take one call")
     records: dict[str, dict[str, list[float]]] = {f: {"one call": [], "transformers": []} for f in families}
     print(f"{'family':12s} {'round':>5s} {'one call t/s':>13s} {'transformers t/s':>17s} {'x':>6s}  eager t/s")
     for r in range(args.rounds):

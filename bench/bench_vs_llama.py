@@ -20,52 +20,13 @@ writes every number. Nothing is printed that this run did not measure.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-
-def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: int) -> dict[str, float]:
-    import torch
-
-    from hetmoe import load_model
-    from hetmoe.gc_pause import freeze_for_decoding
-    from hetmoe.runtime.kv_cache import growing_cache
-
-    t0 = time.perf_counter()
-    model = load_model(path, cpu_threads=threads)
-    load_s = time.perf_counter() - t0
-    freeze_for_decoding()  # as hetmoe generate does after its load; undone below
-    vocab = int(model.config.vocab_size)
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        ids = torch.randint(0, min(vocab, 1000), (1, prefill), generator=gen)
-        model(ids[:, :8], cache=growing_cache(model.config), use_cache=True, logits_to_keep=1)  # warm-up
-        t0 = time.perf_counter()
-        model(ids, cache=growing_cache(model.config), use_cache=True, logits_to_keep=1)
-        prefill_s = time.perf_counter() - t0
-        cache = growing_cache(model.config)
-        token = model(ids[:, :1], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        decode_s = time.perf_counter() - t0
-    notes = list(model.hetmoe.notes)
-    del model
-    gc.unfreeze()  # the next file's run starts from a collectable heap
-    gc.collect()
-    return {"decode": steps / decode_s, "prefill": prefill / prefill_s, "load_s": load_s, "notes": notes}
-
-
-def llama_speeds(llama_bench: Path, gguf: Path, threads: int, steps: int, prefill: int) -> dict[str, float]:
-    from hetmoe.bench.llama_cpp import llama_bench as run
-
-    speeds = run(llama_bench, gguf, threads, steps, (prefill,))
-    return {"decode": speeds["decode"], "prefill": speeds[f"prefill {prefill}"]}
+from hetmoe.bench.vs_llama import hetmoe_speeds, llama_speeds
 
 
 def main() -> int:
@@ -93,8 +54,9 @@ def main() -> int:
     print(f"{'':34s} {'':5s} {'hetmoe':>10s} {'llama.cpp':>10s} {'':6s} {'hetmoe':>10s} {'llama.cpp':>10s}")
     for r in range(args.rounds):
         for ours, theirs in pairs:
-            h = hetmoe_speeds(ours, args.threads, args.steps, args.prefill)
-            ll = llama_speeds(args.llama_bench, theirs, args.threads, args.steps, args.prefill)
+            h = hetmoe_speeds(ours, args.threads, args.steps, (args.prefill,))
+            ll = llama_speeds(args.llama_bench, theirs, args.threads, args.steps, (args.prefill,))
+            h["prefill"], ll["prefill"] = h[f"prefill {args.prefill}"], ll[f"prefill {args.prefill}"]
             rec = {"file": str(ours), "llama_file": str(theirs), "round": r, "hetmoe": h, "llama_cpp": ll}
             records.append(rec)
             decode = f"{h['decode']:10.1f} {ll['decode']:10.1f} {h['decode'] / ll['decode']:6.2f}"

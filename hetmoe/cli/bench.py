@@ -61,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
+    from ..bench.arch_models import ARCHS
     from ..bench.model import DEFAULT_VARIANTS
     from ..bench.model_build import DEFAULT_CACHE
     from ..bench.model_write import SOURCES
@@ -89,7 +90,9 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
             "  hetmoe bench model --layers 2 --variants bf16/bf16,gguf:q4_0/gguf:q4_0\n"
             "  hetmoe bench model --llama-bench llama.cpp/bin/llama-bench --llama-gguf m-Q4_0.gguf,m-Q4_K_M.gguf\n"
             "  hetmoe bench model --layers 48 --source q4_0-gguf --llama-bench llama.cpp/bin/llama-bench --cold\n"
-            "  hetmoe bench model --layers 48 --source int4-ct --repeats 1"
+            "  hetmoe bench model --layers 48 --source int4-ct --repeats 1\n"
+            "  hetmoe bench model --arch deepseek_v3 --llama-bench llama.cpp/bin/llama-bench --json ds.json\n"
+            "  hetmoe bench model --arch mixtral --experts 4 --rounds 1"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -108,10 +111,12 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
     m.add_argument("--threads", type=int, default=0, help="engine threads (default: all usable CPUs)")
     m.add_argument("--torch-threads", type=_csv(int), default=(1,), help="torch intra-op threads to try (default 1)")
     m.add_argument("--layers", type=int, default=4, help="decoder layers (default 4; Qwen3-30B-A3B has 48)")
-    m.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192; Qwen3-30B-A3B has 151936)")
+    m.add_argument(
+        "--vocab", type=int, help="vocabulary size (default 8192, with --arch 32000; Qwen3-30B-A3B has 151936)"
+    )
     m.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default 128)")
     m.add_argument("--steps", type=int, default=32, help="decode steps per repeat (default 32)")
-    m.add_argument("--prefill", type=_csv(int), default=(128, 512), help="prefill token counts (default 128,512)")
+    m.add_argument("--prefill", type=_csv(int), help="prefill token counts (default 128,512; with --arch 512)")
     m.add_argument("--repeats", type=int, default=3, help="repeats per measurement (default 3)")
     m.add_argument(
         "--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where models are built (default {DEFAULT_CACHE})"
@@ -125,21 +130,69 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
         "--cold", action="store_true", help="drop the page cache before the plain read and before each load (root)"
     )
     m.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    arch = m.add_argument_group(
+        "one architecture beside llama.cpp (--arch)",
+        "A random model of ARCH at a released model's layer shape (Qwen3-30B-A3B, DeepSeek-V2-Lite with "
+        "q_lora 1536, gpt-oss-20b, GLM-4.5-Air, Mixtral-8x7B, MiniMax-M2), --layers layers, as a bf16 "
+        "safetensors directory; with --llama-bench DIR/bin/llama-bench, also as llama.cpp's converter and "
+        "llama-quantize make it (BF16, then Q4_0, Q4_K_M, Q8_0 GGUF files; DIR as build_llama_cpp.sh lays "
+        "it out). Each round measures hetmoe with no flags on each file, then llama-bench on the same "
+        "file, and prints the medians' ratios beside issue 18's targets. Uses --layers, --vocab, "
+        "--threads (default 2 here), --steps, --prefill (default 512 here), --cache-dir, --isa, --json.",
+    )
+    arch.add_argument("--arch", choices=sorted(ARCHS), help="the architecture to build and measure")
+    arch.add_argument(
+        "--experts", type=int, help="routed experts a layer (default the released model's; fewer where RAM demands)"
+    )
+    arch.add_argument("--rounds", type=int, default=2, help="rounds of hetmoe then llama.cpp per file (default 2)")
     m.set_defaults(run=run_model)
+
+
+def run_arch(args: argparse.Namespace) -> int:
+    from ..bench import arch_bench
+    from ..bench.arch_models import ArchModel
+    from ..kernels import select_isa
+
+    for flag, value in (("--variants", args.variants), ("--llama-gguf", args.llama_gguf)):
+        if value:
+            raise ValueError(f"{flag} does not apply with --arch (it measures the defaults on the files it builds)")
+    if args.source != "bf16":
+        raise ValueError("--source does not apply with --arch (it builds a bf16 directory and llama.cpp's GGUF files)")
+    if args.rounds < 1 or args.steps < 1 or args.threads < 0 or any(t < 1 for t in args.prefill or ()):
+        raise ValueError("--rounds and --steps must be >= 1, --threads >= 0 and every --prefill count >= 1")
+    select_isa(args.isa)
+    cfg = arch_bench.ArchBenchConfig(
+        model=ArchModel(args.arch, layers=args.layers, vocab=args.vocab or 32000, experts=args.experts),
+        threads=args.threads or 2,
+        steps=args.steps,
+        prefill=args.prefill or (512,),
+        rounds=args.rounds,
+        cache_dir=args.cache_dir,
+        llama_bench=args.llama_bench,
+    )
+    result = arch_bench.run_arch_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(arch_bench.format_table(result))
+    if args.json:
+        arch_bench.write_json(result, args.json)
+    return 0
 
 
 def run_model(args: argparse.Namespace) -> int:
     from ..bench import model as bench_model
     from ..bench.model_build import ModelShape
 
+    if args.arch:
+        return run_arch(args)
+    if args.experts is not None:
+        raise ValueError("--experts applies with --arch only")
     for name in ("layers", "context", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.threads < 0 or any(t < 1 for t in args.prefill):
+    if args.threads < 0 or any(t < 1 for t in args.prefill or ()):
         raise ValueError("--threads must be >= 0 and every --prefill count >= 1")
     variants = args.variants or (bench_model.DEFAULT_VARIANTS if args.source == "bf16" else ("stored/default",))
     cfg = bench_model.ModelBenchConfig(
-        shape=ModelShape(layers=args.layers, vocab=args.vocab),
+        shape=ModelShape(layers=args.layers, vocab=args.vocab or 8192),
         source=args.source,
         cold=args.cold,
         variants=variants,
@@ -147,7 +200,7 @@ def run_model(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         context=args.context,
         steps=args.steps,
-        prefill=args.prefill,
+        prefill=args.prefill or (128, 512),
         repeats=args.repeats,
         cache_dir=args.cache_dir,
         isa=args.isa,
