@@ -61,6 +61,7 @@ from .generation_config import load_generation_config
 from .mla_attention import install_mla, weight_read_linears
 from .paths import layer_paths
 from .planner import plan_memory
+from .prompt_tail import install_prompt_tail
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -260,6 +261,7 @@ def load_model(
         install_mla(model, adapter)  # latent attention in the absorbed form (mla_attention.py)
         install_delta_rule(model)  # Qwen3-Next's one-token delta rule in the engine (delta_rule.py)
         install_fast_decode(model, adapter)  # one-token decoder layers without transformers' glue (fast_decode.py)
+    install_prompt_tail(model)  # a prompt's last MLP only for the rows whose logits are kept (prompt_tail.py)
     load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(
