@@ -6,10 +6,9 @@ per architecture, on random models with a real model's attention, in one run, al
 
 Each family's model has the attention and hidden size of the model hetmoe/bench/arch_models.py
 names (heads, KV heads, head_dim, the rotary part, biases, q/k norms) and 4 layers, but 16 experts
-a layer and a
-32,000-token vocabulary: the attention half and the glue between modules, which is what the
-one-call step changes, stay as in the real model, while the expert and lm_head bytes a step reads
-are smaller. Models are built once (random bf16, transformers' ``save_pretrained``) under --cache.
+a layer and a 32,000-token vocabulary: the attention half and the glue between modules, which is
+what the one-call step changes, stay as in the real model, while the expert and lm_head bytes a
+step reads are smaller. Models are built once (random bf16, transformers' ``save_pretrained``) under --cache.
 
 Per round and family: decode tokens/s of --steps greedy one-token steps after a 32-token prompt,
 ``load_model(DIR)`` with its defaults, once as loaded ("one call") and once with the decoder
