@@ -134,7 +134,7 @@ def format_record(r: dict[str, Any]) -> str:
 def format_table(result: dict[str, Any]) -> str:
     prefill = tuple(result["config"]["prefill"])
     lines = [
-        f"{result['arch']} at {result['shape_of']}'s layer shape, {result['model']['layers']} layers, "
+        f"{result['arch']} at the layer shape of {result['shape_of']}, {result['model']['layers']} layers, "
         f"{result['experts']} experts, vocabulary {result['model']['vocab']}; {result['machine']}",
         f"medians over {result['config']['rounds']} rounds, {result['config']['threads']} threads, tokens/s "
         "(hetmoe with no flags / llama.cpp = ratio; target per issue 18)",

@@ -69,7 +69,7 @@ ARCHS: dict[str, Arch] = {
         "num_experts",
     ),
     "deepseek_v3": Arch(
-        "DeepSeek-V2-Lite's layers with q_lora 1536 (the DeepSeek-V3 architecture: sigmoid routing)",
+        "DeepSeek-V2-Lite with q_lora 1536",  # in the V3 architecture: sigmoid routing with a bias
         {
             "hidden_size": 2048,
             "num_attention_heads": 16,

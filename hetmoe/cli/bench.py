@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def _add_model_parser(bsub: argparse._SubParsersAction) -> None:
         "llama-quantize make it (BF16, then Q4_0, Q4_K_M, Q8_0 GGUF files; DIR as build_llama_cpp.sh lays "
         "it out). Each round measures hetmoe with no flags on each file, then llama-bench on the same "
         "file, and prints the medians' ratios beside issue 18's targets. Uses --layers, --vocab, "
-        "--threads (default 2 here), --steps, --prefill (default 512 here), --cache-dir, --isa, --json.",
+        "--threads (llama-bench gets the same), --steps, --prefill (default 512 here), --cache-dir, --isa, --json.",
     )
     arch.add_argument("--arch", choices=sorted(ARCHS), help="the architecture to build and measure")
     arch.add_argument(
@@ -163,7 +164,7 @@ def run_arch(args: argparse.Namespace) -> int:
     select_isa(args.isa)
     cfg = arch_bench.ArchBenchConfig(
         model=ArchModel(args.arch, layers=args.layers, vocab=args.vocab or 32000, experts=args.experts),
-        threads=args.threads or 2,
+        threads=args.threads or len(os.sched_getaffinity(0)),  # llama-bench gets the same count
         steps=args.steps,
         prefill=args.prefill or (512,),
         rounds=args.rounds,
