@@ -4,6 +4,7 @@ transformers' save_pretrained writes, the llama.cpp tool plumbing, and the run a
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,44 @@ def test_cli_refuses_what_does_not_apply(tmp_path) -> None:
     assert main([*base, "--experts", "2"]) == 1  # fewer than Qwen3-30B-A3B's top-8
     assert main(["bench", "model", "--experts", "8"]) == 1  # --experts without --arch
     assert not any(tmp_path.iterdir())  # nothing built
+
+
+def test_each_program_measured_with_the_other_files_out_of_the_page_cache(tmp_path) -> None:
+    """release_page_cache leaves the measured file's pages and drops every other file of the run
+    (a directory's files included), as util-linux's fincore (mincore(2)) reports residency."""
+    import shutil
+    import subprocess
+
+    from hetmoe.bench.arch_bench import release_page_cache
+
+    if shutil.which("fincore") is None:
+        pytest.skip("no fincore to read page-cache residency")
+    if (
+        subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+        == "tmpfs"
+    ):
+        pytest.skip("tmpfs pages are not page cache that POSIX_FADV_DONTNEED drops")
+    directory = tmp_path / "model"
+    directory.mkdir()
+    paths = [directory / "a.safetensors", directory / "config.json", tmp_path / "m-BF16.gguf", tmp_path / "m-Q4_0.gguf"]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(b"\1" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())  # clean pages: DONTNEED drops those only
+        p.read_bytes()
+
+    def resident(p: Path) -> int:
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", str(p)], capture_output=True, text=True
+        )
+        return int(out.stdout.strip())
+
+    assert all(resident(p) == 1 << 20 for p in paths)
+    files = [("bf16 dir", directory, paths[2]), ("Q4_0", paths[3], paths[3])]
+    release_page_cache(paths[3], files)
+    assert [resident(p) for p in paths] == [0, 0, 0, 1 << 20]
+    for p in paths:
+        p.read_bytes()
+    release_page_cache(directory, files)
+    assert [resident(p) for p in paths] == [1 << 20, 1 << 20, 0, 0]

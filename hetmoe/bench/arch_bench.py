@@ -9,16 +9,18 @@ cached beside the directory.
 
 Per round, for each file: hetmoe first (``load_model(FILE)`` with no flags, as ``hetmoe generate
 FILE`` runs it; vs_llama.hetmoe_speeds), then llama-bench on the same file (on the BF16 GGUF for
-the safetensors directory), so both see the machine in the same minutes. The medians over rounds
-are printed with the ratios and issue 18's targets beside them: decode >= 1.5x on Q4_0 and Q4_K_M
-and >= 1.3x from the safetensors directory against llama.cpp's BF16; prefill >= 1.2x llama.cpp's
-best of Q4_0 and Q4_K_M. Without llama.cpp only hetmoe on the directory is measured, and no peer
+the safetensors directory), so both see the machine in the same minutes; before each, the other
+files of the run leave the page cache (release_page_cache). The medians over rounds are printed
+with the ratios and issue 18's targets beside them: decode >= 1.5x on Q4_0 and Q4_K_M and >= 1.3x
+from the safetensors directory against llama.cpp's BF16; prefill >= 1.2x llama.cpp's best of Q4_0
+and Q4_K_M. Without llama.cpp only hetmoe on the directory is measured, and no peer
 figure is printed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -70,15 +72,41 @@ def model_files(cfg: ArchBenchConfig, log: Callable[[str], None]) -> list[tuple[
     return files
 
 
+def _files_of(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+
+
+def release_page_cache(keep: Path, files: list[tuple[str, Path, Path | None]]) -> None:
+    """Drop every file of the run but ``keep``'s from the page cache (POSIX_FADV_DONTNEED; clean
+    pages, no root needed). Both programs use their weights from the mapped file where they can, and
+    a bf16 model with its BF16 GGUF can exceed the RAM (GLM-4.5-Air's 4 layers: 2 x 14.5 GB): the
+    file measured before would otherwise push out pages of the one measured now, rarely-routed
+    experts' first, to be read from disk inside the timed steps. Each program gets the RAM it would
+    have alone."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    others = {
+        f for _, ours, theirs in files for p in (ours, theirs) if p is not None and p != keep for f in _files_of(p)
+    }
+    for f in others - set(_files_of(keep)):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run_arch_bench(cfg: ArchBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     files = model_files(cfg, log)
     records: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
         for label, ours, theirs in files:
             rec: dict[str, Any] = {"round": r, "label": label, "file": str(ours)}
+            release_page_cache(ours, files)
             rec["hetmoe"] = hetmoe_speeds(ours, cfg.threads, cfg.steps, cfg.prefill)
             if theirs is not None and cfg.llama_bench is not None:
                 rec["llama_file"] = str(theirs)
+                release_page_cache(theirs, files)
                 rec["llama_cpp"] = llama_speeds(cfg.llama_bench, theirs, cfg.threads, cfg.steps, cfg.prefill)
             records.append(rec)
             log(format_record(rec))
