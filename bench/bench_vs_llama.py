@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetmoe.bench.vs_llama import hetmoe_speeds, llama_speeds
+from hetmoe.bench.llama_cpp import llama_bench
+from hetmoe.bench.vs_llama import hetmoe_speeds
 
 
 def main() -> int:
@@ -55,7 +56,7 @@ def main() -> int:
     for r in range(args.rounds):
         for ours, theirs in pairs:
             h = hetmoe_speeds(ours, args.threads, args.steps, (args.prefill,))
-            ll = llama_speeds(args.llama_bench, theirs, args.threads, args.steps, (args.prefill,))
+            ll = llama_bench(args.llama_bench, theirs, args.threads, args.steps, (args.prefill,))
             h["prefill"], ll["prefill"] = h[f"prefill {args.prefill}"], ll[f"prefill {args.prefill}"]
             rec = {"file": str(ours), "llama_file": str(theirs), "round": r, "hetmoe": h, "llama_cpp": ll}
             records.append(rec)

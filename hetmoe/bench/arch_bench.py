@@ -13,8 +13,8 @@ the safetensors directory), so both see the machine in the same minutes; before 
 files of the run leave the page cache (release_page_cache). The medians over rounds are printed
 with the ratios and issue 18's targets beside them: decode >= 1.5x on Q4_0 and Q4_K_M and >= 1.3x
 from the safetensors directory against llama.cpp's BF16; prefill >= 1.2x llama.cpp's best of Q4_0
-and Q4_K_M. Without llama.cpp only hetmoe on the directory is measured, and no peer
-figure is printed.
+and Q4_K_M. Without llama.cpp only hetmoe on the directory is measured, and no peer figure is
+printed.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import json
 import os
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.atomic import write_text_atomic
 from ..hw import cpu_info
 from .arch_models import ARCHS, ArchModel, build_arch_model
-from .llama_cpp import convert_to_gguf, quantize_gguf, tools_dir
+from .llama_cpp import convert_to_gguf, llama_bench, quantize_gguf, tools_dir
 from .model_build import DEFAULT_CACHE
-from .vs_llama import hetmoe_speeds, llama_speeds
+from .vs_llama import hetmoe_speeds
 
 QUANTS = ("Q4_0", "Q4_K_M", "Q8_0")
 SAFETENSORS = "bf16 dir"  # the row of the safetensors directory (llama.cpp: its BF16 GGUF)
@@ -51,7 +51,7 @@ class ArchBenchConfig:
     cache_dir: Path = DEFAULT_CACHE
     seed: int = 0
     llama_bench: Path | None = None
-    quants: tuple[str, ...] = field(default=QUANTS)
+    quants: tuple[str, ...] = QUANTS
 
 
 def model_files(cfg: ArchBenchConfig, log: Callable[[str], None]) -> list[tuple[str, Path, Path | None]]:
@@ -85,10 +85,9 @@ def release_page_cache(keep: Path, files: list[tuple[str, Path, Path | None]]) -
     have alone."""
     if not hasattr(os, "posix_fadvise"):
         return
-    others = {
-        f for _, ours, theirs in files for p in (ours, theirs) if p is not None and p != keep for f in _files_of(p)
-    }
-    for f in others - set(_files_of(keep)):
+    paths = {p for _, ours, theirs in files for p in (ours, theirs) if p is not None}
+    others = {f for p in paths for f in _files_of(p)} - set(_files_of(keep))
+    for f in sorted(others):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -107,7 +106,7 @@ def run_arch_bench(cfg: ArchBenchConfig, log: Callable[[str], None] = print) -> 
             if theirs is not None and cfg.llama_bench is not None:
                 rec["llama_file"] = str(theirs)
                 release_page_cache(theirs, files)
-                rec["llama_cpp"] = llama_speeds(cfg.llama_bench, theirs, cfg.threads, cfg.steps, cfg.prefill)
+                rec["llama_cpp"] = llama_bench(cfg.llama_bench, theirs, cfg.threads, cfg.steps, cfg.prefill)
             records.append(rec)
             log(format_record(rec))
     arch = ARCHS[cfg.model.arch]

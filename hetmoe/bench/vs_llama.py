@@ -1,10 +1,11 @@
-"""One file's speeds in hetmoe with no flags and in llama.cpp's llama-bench, measured the same way.
+"""One file's speeds in hetmoe with no flags, measured as llama.cpp's llama-bench measures its own.
 
 hetmoe: ``load_model(FILE)`` with its defaults, as ``hetmoe generate FILE`` does; decode is
 ``steps`` greedy one-token steps after a 1-token prompt (llama-bench's ``tg`` starts from an empty
 cache: the same contexts), prefill a prompt into an empty cache with the logits of its last token
 only (llama-bench's ``pp`` computes no others). Used by bench/bench_vs_llama.py and by
-``hetmoe bench model --arch`` (arch_bench.py), which interleave the two per file.
+``hetmoe bench model --arch`` (arch_bench.py), which interleave it with llama_cpp.llama_bench per
+file.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import gc
 import time
 from pathlib import Path
 from typing import Any
-
-from .llama_cpp import llama_bench
 
 
 def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: tuple[int, ...]) -> dict[str, Any]:
@@ -51,8 +50,3 @@ def hetmoe_speeds(path: Path, threads: int, steps: int, prefill: tuple[int, ...]
         gc.unfreeze()  # the next file's run starts from a collectable heap
         gc.collect()
     return out
-
-
-def llama_speeds(binary: Path, gguf: Path, threads: int, steps: int, prefill: tuple[int, ...]) -> dict[str, float]:
-    """llama-bench's ``{"decode": tok/s, "prefill N": tok/s ...}`` on ``gguf`` (llama_cpp.llama_bench)."""
-    return llama_bench(binary, gguf, threads, steps, prefill)
