@@ -201,13 +201,12 @@ class ArchModel:
 
     def config(self) -> Any:
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         arch = ARCHS[self.arch]
         fields = {**arch.fields, **self.overrides, arch.experts_field: self.expert_count}
         if arch.layer_pattern:
             fields["layer_types"] = [arch.layer_pattern[i % len(arch.layer_pattern)] for i in range(self.layers)]
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
         return transformers.CONFIG_MAPPING[self.arch](
             architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.arch]],  # what llama.cpp's converter reads
             num_hidden_layers=self.layers,
