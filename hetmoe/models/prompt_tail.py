@@ -10,7 +10,8 @@ it compares the same work.
 The other rows leave the last layer without the MLP's contribution (its output is zero there);
 nothing reads them: the final norm is per row and the lm_head takes the last k. Anything that does
 read them turns the skip off for that call: hidden states or router logits asked for, labels (the
-loss needs every row), training, or a ``logits_to_keep`` that is not a positive integer.
+loss needs every row), training, a ``logits_to_keep`` that is not a positive integer, or deferred
+experts (``set_defer_experts``: a layer's deferred work for every row lands in the next layer).
 """
 
 from __future__ import annotations
@@ -79,4 +80,6 @@ def _skips(model: nn.Module, k: Any, kwargs: dict[str, Any]) -> bool:
     config = model.config
     if kwargs.get("output_router_logits") or getattr(config, "output_router_logits", False):
         return False
+    if getattr(getattr(model, "hetmoe", None), "deferred", None) is not None:
+        return False  # deferred experts carry every row of one MoE layer into the next (runtime/deferred.py)
     return not getattr(config, "output_hidden_states", False)
