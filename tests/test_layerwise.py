@@ -143,7 +143,9 @@ def test_layerwise_bf16_model_is_as_close_as_transformers_bf16(device: str, tiny
 
 def test_decode_steps_take_the_hybrid_path(tiny) -> None:
     """generate: the prompt (9 tokens > threshold 8) is streamed, every 1-token decode step runs on
-    the CPU engine; the greedy tokens are the hybrid path's."""
+    the CPU engine; the greedy tokens are the hybrid path's. The last layer's MLP sees only the
+    prompt's kept row (the prompt tail: generate keeps 1 row's logits), which is under the
+    threshold, so it runs on the CPU engine rather than streaming that layer's experts."""
     path = tiny("qwen3_moe")
     prompt = tokens(1, (1, 9))
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
@@ -152,10 +154,15 @@ def test_decode_steps_take_the_hybrid_path(tiny) -> None:
     got = model.generate(prompt, **kw)
     assert torch.equal(got, want)
     runtime = model.hetmoe
-    assert runtime.layerwise.stats.layers == len(runtime.layers)  # one streamed forward: the prompt
-    for hybrid in runtime.layers.values():
+    order = sorted(runtime.layers)
+    assert runtime.layerwise.stats.layers == len(order) - 1  # one streamed forward: the prompt, all but the last
+    for index in order[:-1]:
+        hybrid = runtime.layers[index]
         assert int(hybrid.streamed_counts.sum()) == 9 * 2  # the prompt's tokens, top-2
         assert int(hybrid.cpu_counts.sum()) == 5 * 2  # 5 decode steps (the 6th token needs none)
+    last = runtime.layers[order[-1]]
+    assert int(last.streamed_counts.sum()) == 0
+    assert int(last.cpu_counts.sum()) == (1 + 5) * 2  # the prompt's kept row, then the 5 decode steps
 
 
 def test_next_layer_is_prepared_while_this_layer_computes(tiny, monkeypatch) -> None:
