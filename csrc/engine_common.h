@@ -150,8 +150,27 @@ T* sized(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-// Whether the GEMM path of bf16 weights meets bf16 activations in the table's VDPBF16PS kernel.
+// Whether the GEMM path of a bf16 model meets its bf16 activations in the table's VDPBF16PS kernel.
 inline bool bf16_dot(const KernelTable* kt) { return kt->gemm_bf16 != nullptr && cpu_features().avx512bf16; }
+
+// Rows [n0, n1) (at most kPanelRows) of expert e's weights as bf16 rows for gemm_bf16: bf16 weights
+// as stored; any other method dequantized and rounded to bf16 in `f32` / `b16` (per-worker scratch),
+// the weights a bf16 model holds when it dequantizes a quantized checkpoint into its dtype.
+struct Bf16Rows {
+  const uint16_t* w;
+  int64_t stride;  // elements between rows
+};
+inline Bf16Rows bf16_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n1, std::vector<float>& f32,
+                          std::vector<uint16_t>& b16) {
+  if (p.method == kBF16)
+    return {reinterpret_cast<const uint16_t*>(p.w + e * p.w_estride + int64_t(n0) * p.w_rstride), p.w_rstride / 2};
+  const size_t n = size_t(n1 - n0) * p.k;
+  float* panel = sized(f32, size_t(kPanelRows) * p.k);
+  uint16_t* rows = sized(b16, size_t(kPanelRows) * p.k);
+  kt->dequant_rows[p.method](p, e, n0, n1, panel);
+  kt->f32_to_bf16(panel, rows, static_cast<int>(n));
+  return {rows, p.k};
+}
 
 // The activation layout each method's GEMV kernel reads (Act in kernels.h), at the width it runs.
 inline int act_quant_for(const KernelTable* kt, int method, int K) {

@@ -11,15 +11,18 @@ namespace {
 
 using engine::act_quant_for;
 using engine::bf16_dot;
+using engine::bf16_rows;
 using engine::ActBuffers;
 using engine::f32_to_bf16;
 using engine::item_rows;
 using engine::sized;
 using engine::uninit;
 
-// Per-worker scratch: one dequantized panel and the item's output block before the epilogue.
+// Per-worker scratch: one dequantized panel (and its bf16 rounding), the item's output block before
+// the epilogue.
 struct LinearScratch {
   std::vector<float> panel, block;
+  std::vector<uint16_t> bf16;
 };
 thread_local LinearScratch tl_linear;
 
@@ -94,11 +97,15 @@ class LinearJob final : public Job {
       for (int i = 0; i < nt; ++i) rows[i] = x_row(t0 + i);
       const engine::TileActs x = engine::tile_pack(kt_, rows.data(), nt, K_, x_dtype_ != kBF16Data, w_, w_);
       engine::tile_rows(kt_, w_, 0, first, last, x, block, rows_);
-    } else if (w_.method == kBF16 && x_dtype_ == kBF16Data && bf16_dot(kt_)) {  // bf16 rows, bf16 x: VDPBF16PS
+    } else if (x_dtype_ == kBF16Data && bf16_dot(kt_)) {
+      // A bf16 model: VDPBF16PS on bf16 rows (other methods' dequantized and rounded, engine_common.h).
       std::vector<const uint16_t*> rows(nt);
       for (int i = 0; i < nt; ++i) rows[i] = static_cast<const uint16_t*>(x_) + size_t(t0 + i) * K_;
-      const uint16_t* w = reinterpret_cast<const uint16_t*>(w_.w + int64_t(first) * w_.w_rstride);
-      kt_->gemm_bf16(w, w_.w_rstride / 2, R, K_, rows.data(), nt, block, rows_);
+      for (int n0 = first; n0 < last; n0 += kPanelRows) {
+        const int n1 = std::min(last, n0 + kPanelRows);
+        const engine::Bf16Rows w = bf16_rows(kt_, w_, 0, n0, n1, tl_linear.panel, tl_linear.bf16);
+        kt_->gemm_bf16(w.w, w.stride, n1 - n0, K_, rows.data(), nt, block + (n0 - first), rows_);
+      }
     } else {
       std::vector<const float*> rows(nt);
       for (int i = 0; i < nt; ++i) rows[i] = x_row(t0 + i);

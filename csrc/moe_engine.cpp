@@ -13,6 +13,7 @@ namespace {
 
 using engine::act_quant_for;
 using engine::bf16_dot;
+using engine::bf16_rows;
 using engine::ActBuffers;
 using engine::f32_to_bf16;
 using engine::item_rows;
@@ -22,9 +23,10 @@ using engine::tile_pack;
 using engine::tile_rows;
 using engine::uninit;
 
-// Per-worker scratch for the GEMM path (dequantized panels, the up-projection block).
+// Per-worker scratch for the GEMM path (dequantized panels, their bf16 roundings, the up-projection block).
 struct Scratch {
   std::vector<float> panel_a, panel_b, block;
+  std::vector<uint16_t> bf16_a, bf16_b;
 };
 thread_local Scratch tl_scratch;
 
@@ -60,15 +62,18 @@ class MoEJob final : public Job {
     if (up_mode != x_act_.mode) xu_act_.allocate(T, H, up_mode);
     h_ = uninit<float>(size_t(S_) * I);
     h_act_.allocate(S_, I, gemv_layout(down.method, I));
-    // A bf16 model's bf16 experts: GEMM-path experts take VDPBF16PS on the bf16 rows, the
-    // intermediate rounded to bf16 first (as the model's own bf16 MLP rounds it).
-    // (Only where some expert takes the GEMM path: a decode step skips the bf16 copy and its phase.)
+    // A bf16 model's GEMM-path experts take VDPBF16PS against its bf16 activations: bf16 weights as
+    // stored, any other method's rows dequantized and rounded to bf16 (what the model computes with
+    // when it dequantizes the checkpoint into its dtype; twice the products an instruction of the
+    // fp32 panel's FMAs), the intermediate rounded to bf16 first (as the model's own bf16 MLP rounds
+    // it). Only where some expert takes the GEMM path: a decode step skips the bf16 copy and its phase.
     const bool gemm = !active_.empty() && active_[0].count > gemv_max;
+    const bool bf16_model = x_dtype_ == kBF16Data && gemm;
     // On AMX tiles a bf16 model's intermediate is rounded to bf16 for a bf16 down projection the same
-    // way, so that it is one tile pass.
-    const bool dot = x_dtype_ == kBF16Data && (bf16_dot(kt) || tile_gemm(kt)) && gemm;
-    bf16_up_ = dot && gate.method == kBF16 && up.method == kBF16;
-    bf16_down_ = dot && down.method == kBF16;
+    // way, so that it is one tile pass; the tiles run the other methods their own way.
+    const bool tiles = tile_gemm(kt);
+    bf16_up_ = bf16_model && (tiles ? gate.method == kBF16 && up.method == kBF16 : bf16_dot(kt));
+    bf16_down_ = bf16_model && (tiles ? down.method == kBF16 : bf16_dot(kt));
     if (bf16_down_ && !tile_gemm(kt)) hb_ = uninit<uint16_t>(size_t(S_) * I);  // tiles round as they pack
     ybuf_ = uninit<float>(size_t(S_) * H);
   }
@@ -132,10 +137,6 @@ class MoEJob final : public Job {
     const float* h = h_.get() + size_t(s) * I_;
     h_act_.quantize(kt_, h, s);
     if (hb_) kt_->f32_to_bf16(h, hb_.get() + size_t(s) * I_, I_);
-  }
-
-  static const uint16_t* bf16_row(const Proj& p, int e, int n) {
-    return reinterpret_cast<const uint16_t*>(p.w + e * p.w_estride + int64_t(n) * p.w_rstride);
   }
 
   const float* x_row(int t) const {
@@ -220,8 +221,10 @@ class MoEJob final : public Job {
     if (bf16_up_) {
       std::vector<const uint16_t*> rows(a.count);
       for (int i = 0; i < a.count; ++i) rows[i] = static_cast<const uint16_t*>(x_) + size_t(slot_token_[a.first_slot + i]) * H_;
-      kt_->gemm_bf16(bf16_row(gate_, a.expert, n0), gate_.w_rstride / 2, R, H_, rows.data(), a.count, g, I_);
-      kt_->gemm_bf16(bf16_row(up_, a.expert, n0), up_.w_rstride / 2, R, H_, rows.data(), a.count, up_block, ldu);
+      const engine::Bf16Rows wg = bf16_rows(kt_, gate_, a.expert, n0, n1, tl_scratch.panel_a, tl_scratch.bf16_a);
+      const engine::Bf16Rows wu = bf16_rows(kt_, up_, a.expert, n0, n1, tl_scratch.panel_b, tl_scratch.bf16_b);
+      kt_->gemm_bf16(wg.w, wg.stride, R, H_, rows.data(), a.count, g, I_);
+      kt_->gemm_bf16(wu.w, wu.stride, R, H_, rows.data(), a.count, up_block, ldu);
       activate(a.expert, n0, R, g, I_, up_block, ldu, a.count);
       return;
     }
@@ -274,7 +277,8 @@ class MoEJob final : public Job {
     if (bf16_down_) {
       std::vector<const uint16_t*> rows(a.count);
       for (int i = 0; i < a.count; ++i) rows[i] = hb_.get() + size_t(a.first_slot + i) * I_;
-      kt_->gemm_bf16(bf16_row(down_, a.expert, n0), down_.w_rstride / 2, R, I_, rows.data(), a.count, out, H_);
+      const engine::Bf16Rows wd = bf16_rows(kt_, down_, a.expert, n0, n1, tl_scratch.panel_a, tl_scratch.bf16_a);
+      kt_->gemm_bf16(wd.w, wd.stride, R, I_, rows.data(), a.count, out, H_);
       add_down_bias(a, n0, R, out);
       return;
     }

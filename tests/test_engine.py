@@ -4,7 +4,10 @@ Bounds (relative L2 error against the float64 reference on the same stored weigh
 - fp32 activations: 1e-5 for bf16 weights (fp32 math throughout) and 3e-4 for int8/int4, whose
   decode kernels quantize activations to int16 per block of 32 (~1e-5 per element; measured
   ~5e-5 end to end);
-- bf16 activations and output: 5e-3 (one bf16 rounding of the output is ~2e-3);
+- bf16 activations and output: 5e-3. One bf16 rounding (unit roundoff u = 2^-9) is at most ~2e-3
+  relative and ~u/sqrt(3) = 1.1e-3 RMS; the output is rounded once, and where the CPU has
+  AVX512-BF16 the GEMM path also rounds the dequantized weights and the intermediate (what a bf16
+  model computes with), four independent roundings: ~2.3e-3 RMS;
 - on AMX tiles (amx, amx-emu), the GEMM path's fp32 bound is two chained tile GEMMs' split error
   (conftest.TILE_GEMM_BOUND) where that exceeds the method's.
 """

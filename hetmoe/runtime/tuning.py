@@ -9,7 +9,8 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
 - how the GEMVs prefetch the weights they stream (non-temporal or into every cache level), on bf16,
   int8 and int4 decode (on this Xeon non-temporal took 1.4-1.5x as long; on a Zen 5 it was faster);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
-  the GEMM path (AMX tiles where the variant has them, else dequantized fp32 panels) at 2 to 64
+  the GEMM path (AMX tiles where the variant has them; else, for the bf16 activations timed here,
+  VDPBF16PS on rows rounded to bf16 where the CPU has AVX512-BF16; else dequantized fp32 panels) at 2 to 64
   tokens an expert (one token an expert, a decode step, always takes the GEMV); the switch is where
   the two times cross, between the last count at which the GEMM path was not more than 10% faster
   and the first at which it was.
@@ -49,7 +50,7 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-TUNING_VERSION = 7
+TUNING_VERSION = 8  # 8: a bf16 model's GEMM path takes VDPBF16PS for every method
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
