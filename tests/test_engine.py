@@ -534,6 +534,35 @@ def test_gate_and_up_in_different_methods(methods: tuple[str, str, str]) -> None
         set_int_vector_bits(0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    "methods",
+    [(m, m, m) for m in ("int8", "int4", "mxfp4", "fp8", "gguf:q4_0", "gguf:q5_0", "gguf:q8_0", "gguf:iq4_nl")]
+    + [(m, m, m) for m in ("gguf:q4_k", "gguf:q5_k", "gguf:q6_k", "gguf:iq4_xs")]
+    + [("bf16", "gguf:q4_k", "gguf:q6_k")],
+)
+def test_bf16_model_gemm_path_every_method(isa: str, methods: tuple[str, str, str]) -> None:
+    """A bf16 model's prompt through the GEMM path, every method with a dequantizer (and gate, up and
+    down in three): on a CPU with AVX512-BF16 the avx512 variant dequantizes each 24-row panel,
+    rounds it to bf16 and runs VDPBF16PS (engine_common.h: bf16_rows); elsewhere the fp32 panel
+    GEMM. Against the float64 reference on the stored weights, within BF16_BOUND (the module's
+    docstring: four bf16 roundings, ~2.3e-3 RMS); a panel read at a wrong row or stride is ~1."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(10)
+    e, h, i = 4, 512, 256  # gate/up rows: 10 panels of 24 and 16; down's: 21 and 8 (K = 256: one superblock)
+    shapes = ((e, i, h), (e, i, h), (e, h, i))
+    qs = [get_codec(m).quantize(torch.randn(s, generator=g) * 0.05) for m, s in zip(methods, shapes, strict=True)]
+    deq = [get_codec(q.method, **q.params).dequantize(q) for q in qs]
+    ce = CPUExperts(*qs, gemv_max_tokens=0)
+    for T in (5, 13):  # 13: a register block of 6 tokens twice and one left
+        ids = torch.randint(0, e, (T, 2), generator=g)
+        x = torch.randn(T, h, generator=g).bfloat16()
+        w = torch.rand(T, 2, generator=g)
+        y = ce.forward(x, ids, w)
+        assert y.dtype == torch.bfloat16
+        assert _rel(y, moe_forward_reference(x.float(), *deq, ids, w)) < BF16_BOUND, T
+
+
 def test_idle_pool_takes_no_cpu(weights) -> None:
     """Workers sleep once no job runs: an idle engine must not steal cores from the caller."""
     import resource
