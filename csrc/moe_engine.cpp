@@ -74,7 +74,7 @@ class MoEJob final : public Job {
     const bool tiles = tile_gemm(kt);
     bf16_up_ = bf16_model && (tiles ? gate.method == kBF16 && up.method == kBF16 : bf16_dot(kt));
     bf16_down_ = bf16_model && (tiles ? down.method == kBF16 : bf16_dot(kt));
-    if (bf16_down_ && !tile_gemm(kt)) hb_ = uninit<uint16_t>(size_t(S_) * I);  // tiles round as they pack
+    if (bf16_down_ && !tiles) hb_ = uninit<uint16_t>(size_t(S_) * I);  // tiles round as they pack
     ybuf_ = uninit<float>(size_t(S_) * H);
   }
 
