@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hetmoe.runtime.kv_cache import GrowingLayer, growing_cache
 
@@ -45,17 +45,30 @@ def test_appends_without_copying_the_cache() -> None:
     assert layer.keys.untyped_storage().data_ptr() == buffer  # the same buffer: appended in place
 
 
-def test_generate_with_it_equals_generate_without(tiny_cache) -> None:
+def test_generate_with_it_equals_generate_without(tiny_cache, monkeypatch) -> None:
+    """A loaded model's generate() makes a growing cache itself where the caller passes none (what
+    README's Python example does), and so takes the one-call decode step (a DynamicCache has no
+    ``free_row``, so every step went through the separate calls); the tokens are those of generate with
+    transformers' own DynamicCache, which a cache passed in stays."""
+    import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
 
     model = load_model(tiny_cache.model("qwen3_moe"))
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    one_call = []
+    block = fast_decode._one_token_block
+    monkeypatch.setattr(fast_decode, "_one_token_block", lambda *a: one_call.append(r := block(*a)) or r)
+    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
     with torch.inference_mode():
-        plain = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
-        grown = model.generate(
-            ids, max_new_tokens=24, do_sample=False, pad_token_id=0, cache=growing_cache(model.config)
-        )
-    assert torch.equal(plain, grown)
+        plain = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
+        assert type(plain.past_key_values.layers[0]) is DynamicLayer
+        assert one_call and all(r is None for r in one_call)  # no free_row: the step-by-step path
+        one_call.clear()
+        default = model.generate(ids, **kwargs)
+        grown = model.generate(ids, cache=growing_cache(model.config), **kwargs)
+    assert all(type(layer) is GrowingLayer for layer in default.past_key_values.layers)
+    assert one_call and all(r is not None for r in one_call)  # both: every step in one call a layer
+    assert torch.equal(plain.sequences, default.sequences) and torch.equal(plain.sequences, grown.sequences)
 
 
 def test_rows_written_in_place_then_committed() -> None:

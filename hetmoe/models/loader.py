@@ -42,6 +42,7 @@ from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
 from ..runtime.expert_parallel import ExpertPlacement, RemoteExperts, serve_experts
 from ..runtime.hybrid import ExpertBackend, HybridMoE
+from ..runtime.kv_cache import generate_grows_caches
 from ..runtime.layerwise import DEFAULT_CHUNK_BYTES
 from ..runtime.placement import plan_placement
 from ..runtime.process_group import Ranks, leave
@@ -262,6 +263,7 @@ def load_model(
         install_delta_rule(model)  # Qwen3-Next's one-token delta rule in the engine (delta_rule.py)
         install_fast_decode(model, adapter)  # one-token decoder layers without transformers' glue (fast_decode.py)
     install_prompt_tail(model)  # a prompt's last MLP only for the rows whose logits are kept (prompt_tail.py)
+    generate_grows_caches(model)  # generate's own cache appends in place (runtime/kv_cache.py)
     load_generation_config(model, directory)
     model.config._name_or_path = str(p)
     runtime = HybridRuntime(

@@ -201,3 +201,28 @@ def growing_cache(config: Any) -> DynamicCache:
         layers.append(layer)
     cache.layers = layers
     return cache
+
+
+def generate_grows_caches(model: Any) -> None:
+    """Make ``model.generate`` start from ``growing_cache`` wherever it would make a plain DynamicCache
+    itself (no ``cache`` passed, no ``cache_implementation`` asked for): a Python caller of
+    ``load_model(...).generate(ids)`` then gets the in-place cache, and with it the one-call decode
+    step (models/fast_decode.py writes its rows with ``free_row``), as ``hetmoe generate`` does. A cache
+    the caller passes, any other cache kind, and an assistant model's (which records its past) are
+    left as transformers makes them."""
+    original = model._prepare_cache_for_generation
+
+    def prepare(generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        made = original(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if (
+            type(cache) is DynamicCache
+            and not getattr(cache, "_is_user_defined", False)
+            and not getattr(generation_config, "is_assistant", False)
+            and generation_config.cache_implementation in (None, "dynamic")
+            and cache.get_seq_length() == 0
+        ):
+            model_kwargs["cache"] = growing_cache(model.config.get_text_config(decoder=True))
+        return made
+
+    model._prepare_cache_for_generation = prepare
