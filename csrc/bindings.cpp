@@ -592,23 +592,26 @@ PYBIND11_MODULE(_C, m) {
   py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
       .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,
                        float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router, int qk_norm,
-                       int64_t rotary_dim, uintptr_t sinks, LinearEngine* k_proj, LinearEngine* v_proj) {
+                       int64_t rotary_dim, uintptr_t sinks, LinearEngine* k_proj, LinearEngine* v_proj, bool gated) {
              // A decoder layer's attention half for one token (decode_step.h); norms: four (weight
              // pointer, eps, mode) for the input, q, k and post-attention norms (q and k: (0, 0, 0)
              // under qk_norm 0); sinks: fp32 [heads] or 0. Weights in `dtype` and the sinks stay owned
-             // by Python (hetmoe/models/fast_decode.py keeps them with the block).
+             // by Python (hetmoe/models/fast_decode.py keeps them with the block). gated: q_proj gives
+             // each head's query then its gate (Qwen3-Next), heads * 2 * D rows.
              if (!g_selected) throw py::value_error("select_isa() must be called first");
              if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("DecodeAttentionBlock: dtype must be 0 or 1");
              if (hidden <= 0 || D <= 0 || D % 16 || kv_heads <= 0 || heads % kv_heads || norms.size() != 4)
                throw py::value_error("DecodeAttentionBlock: bad shape");
              if (!k_proj != !v_proj) throw py::value_error("DecodeAttentionBlock: k_proj and v_proj go together");
+             const int64_t q_rows = heads * D * (gated ? 2 : 1);
              if (k_proj) {
-               if (!qkv || qkv->cols() != hidden || qkv->rows() != heads * D || k_proj->cols() != hidden ||
+               if (!qkv || qkv->cols() != hidden || qkv->rows() != q_rows || k_proj->cols() != hidden ||
                    k_proj->rows() != kv_heads * D || v_proj->cols() != hidden || v_proj->rows() != kv_heads * D)
-                 throw py::value_error("DecodeAttentionBlock: q, k_proj, v_proj must map hidden to heads * D, "
-                                       "kv_heads * D, kv_heads * D");
-             } else if (!qkv || qkv->cols() != hidden || qkv->rows() != (heads + 2 * kv_heads) * D) {
-               throw py::value_error("DecodeAttentionBlock: qkv must map hidden to (heads + 2 kv_heads) * D");
+                 throw py::value_error("DecodeAttentionBlock: q, k_proj, v_proj must map hidden to heads * D (gated: "
+                                       "heads * 2 * D), kv_heads * D, kv_heads * D");
+             } else if (!qkv || qkv->cols() != hidden || qkv->rows() != q_rows + 2 * kv_heads * D) {
+               throw py::value_error(
+                   "DecodeAttentionBlock: qkv must map hidden to (heads + 2 kv_heads) * D (gated: (2 heads + 2 kv_heads) * D)");
              }
              if (!o_proj || o_proj->cols() != heads * D || o_proj->rows() != hidden)
                throw py::value_error("DecodeAttentionBlock: o_proj must map heads * D to hidden");
@@ -643,12 +646,13 @@ PYBIND11_MODULE(_C, m) {
                                              k_proj,
                                              v_proj,
                                              o_proj,
-                                             router};
+                                             router,
+                                             gated};
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
            py::arg("qk_norm"), py::arg("rotary_dim"), py::arg("sinks"), py::arg("k_proj").none(true) = nullptr,
-           py::arg("v_proj").none(true) = nullptr, py::keep_alive<1, 9>(), py::keep_alive<1, 10>(),
+           py::arg("v_proj").none(true) = nullptr, py::arg("gated") = false, py::keep_alive<1, 9>(), py::keep_alive<1, 10>(),
            py::keep_alive<1, 11>(), py::keep_alive<1, 15>(), py::keep_alive<1, 16>())
       .def(
           "run",

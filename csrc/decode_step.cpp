@@ -1,6 +1,7 @@
 #include "decode_step.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -146,28 +147,76 @@ void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int
   rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
 }
 
+namespace {
+
+// v rounded to bf16 as torch rounds a float into a bf16 tensor (engine_common.h's f32_to_bf16).
+float bf16_round(float v) {
+  const uint32_t bits = uint32_t(engine::f32_to_bf16(v)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Qwen3-Next's q_proj rows [H][query D | gate D] split into qkv's leading [H * D] (the queries, as an
+// ungated q_proj gives them, k and v moved up after them) and gate [H * D]; `elem` bytes a value.
+void split_gated_query(uint8_t* qkv, int64_t heads, int64_t kv_heads, int64_t D, size_t elem, uint8_t* gate) {
+  const size_t head = size_t(D) * elem;
+  for (int64_t h = 0; h < heads; ++h) {
+    std::memcpy(gate + h * head, qkv + (2 * h + 1) * head, head);
+    std::memmove(qkv + h * head, qkv + 2 * h * head, head);  // forward: never over a query not yet moved
+  }
+  std::memmove(qkv + heads * head, qkv + 2 * heads * head, 2 * size_t(kv_heads) * head);
+}
+
+// out *= sigmoid(gate) over n values, as torch computes `out * torch.sigmoid(gate)` in the dtype:
+// sigmoid in fp32 (1 / (1 + exp(-g))) rounded to the dtype, then the product in fp32 rounded once.
+// (torch's vectorized exp and libm's expf are each within an ulp of exp, so the fp32 sigmoid may
+// differ from torch's in its last bit: tests/test_fast_decode.py holds the path to that.)
+void apply_gate(const KernelTable* kt, void* out, const void* gate, int dtype, int64_t n) {
+  if (dtype == kBF16Data) {
+    thread_local std::vector<float> a, g;
+    a.resize(n);
+    g.resize(n);
+    kt->bf16_to_f32(static_cast<const uint16_t*>(out), a.data(), int(n));
+    kt->bf16_to_f32(static_cast<const uint16_t*>(gate), g.data(), int(n));
+    for (int64_t i = 0; i < n; ++i) a[i] *= bf16_round(1.f / (1.f + std::exp(-g[i])));
+    kt->f32_to_bf16(a.data(), static_cast<uint16_t*>(out), int(n));
+    return;
+  }
+  float* o = static_cast<float*>(out);
+  const float* g = static_cast<const float*>(gate);
+  for (int64_t i = 0; i < n; ++i) o[i] *= 1.f / (1.f + std::exp(-g[i]));
+}
+
+}  // namespace
+
 void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out,
                                void* h_out, void* logits) const {
   const size_t elem = dtype == kBF16Data ? 2 : 4;
-  thread_local std::vector<uint8_t> h, qkv_row, attn, o;
+  thread_local std::vector<uint8_t> h, qkv_row, attn, o, gate;
   h.resize(size_t(hidden) * elem);
-  qkv_row.resize(size_t(heads + 2 * kv_heads) * D * elem);
+  qkv_row.resize(size_t(q_width() + 2 * kv_heads * D) * elem);
   attn.resize(size_t(heads) * D * elem);
   o.resize(size_t(hidden) * elem);
   rms_norm(x, input_norm.weight, h.data(), dtype, 1, hidden, input_norm.eps, input_norm.mode);
   if (k_proj) {  // three linears side by side on the pool, into the rows one fused linear would give
     uint8_t* out = qkv_row.data();
     const int64_t q = qkv->submit(h.data(), dtype, 1, out, dtype);
-    const int64_t k = k_proj->submit(h.data(), dtype, 1, out + size_t(heads) * D * elem, dtype);
-    const int64_t v = v_proj->submit(h.data(), dtype, 1, out + size_t(heads + kv_heads) * D * elem, dtype);
+    const int64_t k = k_proj->submit(h.data(), dtype, 1, out + size_t(q_width()) * elem, dtype);
+    const int64_t v = v_proj->submit(h.data(), dtype, 1, out + size_t(q_width() + kv_heads * D) * elem, dtype);
     qkv->wait(q);
     k_proj->wait(k);
     v_proj->wait(v);
   } else {
     linear_row(qkv, h.data(), dtype, qkv_row.data(), dtype);
   }
+  if (gated) {
+    gate.resize(size_t(heads) * D * elem);
+    split_gated_query(qkv_row.data(), heads, kv_heads, D, elem, gate.data());
+  }
   decode_attention_step(kt, qkv_row.data(), dtype, heads, kv_heads, D, qk_norm, q_norm, k_norm, rotary_dim, cos,
                         sin, kv, sinks, scale, attn.data());
+  if (gated) apply_gate(kt, attn.data(), gate.data(), dtype, heads * D);
   linear_row(o_proj, attn.data(), dtype, o.data(), dtype);
   residual_post_norm(kt, x, o.data(), dtype, hidden, post_norm, x_out, h_out);
   if (!router) return;

@@ -84,6 +84,13 @@ struct DecodeAttentionBlock {
   LinearEngine* v_proj;  // a Q4_K_M file's attn_v in Q6_K beside Q4_K), else nullptr
   LinearEngine* o_proj;  // [H * D] -> [hidden]
   LinearEngine* router;  // [hidden] fp32 -> [experts] fp32, or nullptr
+  // Qwen3-Next's gated attention: q_proj gives each head's D query values then D gate values
+  // ([H * 2D] where the query alone is [H * D]), and the attention's output is multiplied by
+  // sigmoid(gate) before o_proj, as transformers' Qwen3NextAttention does in the dtype.
+  bool gated = false;
+
+  // The q projection's output width: [H * D], or [H * 2D] when gated.
+  int64_t q_width() const { return heads * D * (gated ? 2 : 1); }
 
   // x [hidden] -> x_out = x + o_proj(attention(...)), h_out = post_norm(x_out), both [hidden] in
   // dtype; with a router, logits [experts] = router(fp32(h_out)) rounded to dtype, as

@@ -252,15 +252,12 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
         assert torch.equal(a, b), (family, step, float((a - b).abs().max()))
 
 
-def test_separate_qkv_linears_take_the_one_call_step(family_models, monkeypatch) -> None:
-    """q/k/v in different methods stay three linears (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q
-    and k, which cannot be fused): the one-call step runs them side by side, and 24 steps stay
-    bit-identical to transformers' forward over the same three linears."""
-    from hetmoe import load_model
+def _unfuse_qkv(layers: list) -> None:
+    """Each layer's fused q/k/v linear as three engine linears in three methods (int8, bf16, int4), as
+    a Q4_K_M file's attention stays (attn_v in Q6_K beside Q4_K q and k cannot be fused)."""
     from hetmoe.runtime.cpu_linear import CPULinear
 
-    model = load_model(family_models["qwen2_moe"], dtype=torch.float32, dense_method="int8")  # q/k/v biases
-    for layer in _fast_layers(model):
+    for layer in layers:
         attn = layer.self_attn
         group = attn._modules.pop("fused_qkv_proj")
         w, bias, b = group.linear.dequantized(torch.float32), group.linear.bias_f32, group.bounds
@@ -268,6 +265,62 @@ def test_separate_qkv_linears_take_the_one_call_step(family_models, monkeypatch)
             rows = slice(b[i], b[i + 1])
             kind = {"group_size": 32} if method == "int4" else {}
             setattr(attn, name, CPULinear(w[rows], None if bias is None else bias[rows], method, **kind))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "separate"), [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)]
+)
+def test_qwen3_next_full_attention_layers_decode_in_one_call(tmp_path, monkeypatch, dtype, separate: bool) -> None:
+    """Qwen3-Next's full-attention layers (the query's gate: output times sigmoid(gate) before o_proj;
+    offset-scale q/k norms; partial rotary) take the one-call step every step, its delta-net layers
+    keep their own forward, and 24 greedy steps give transformers' logits over the same modules; also
+    with q (query and gate rows), k and v as three linears in three methods.
+
+    Bound: every kernel is the one transformers' forward calls here except the gate's sigmoid, which
+    the engine computes as 1 / (1 + expf(-g)) with libm's expf where torch uses its vectorized exp:
+    each within an ulp of exp, so the two sigmoids differ by at most 2 ulp (2 * 2^-23 relative), and
+    in bf16 they coincide once rounded unless one lies within an ulp of a bf16 rounding boundary
+    (none of this model's does: bit-identical). In fp32 that 2.4e-7 of a gate factor reaches the
+    logits through o_proj, the residual stream's norms and the later layers' linears, each of which
+    changes a relative error by at most a small factor at this scale: 1e-6 of the logits' largest
+    magnitude (~4x; measured 2.2e-7 on one step of 24, the others bit-identical)."""
+    from tiny_models import build_tiny
+
+    from hetmoe import load_model
+
+    options = {} if dtype == torch.bfloat16 else {"dtype": dtype, "dense_method": "int8"}
+    model = load_model(build_tiny("qwen3_next", tmp_path / "m"), **options)
+    kinds = model.config.layer_types
+    assert "full_attention" in kinds and "linear_attention" in kinds
+    fast = _fast_layers(model)
+    assert [layer.self_attn.layer_idx for layer in fast] == [i for i, k in enumerate(kinds) if k == "full_attention"]
+    summary = model.hetmoe.summary(verbose=True)
+    assert f"layer {kinds.index('full_attention')}: attention one engine call a decode step" in summary
+    if separate:
+        _unfuse_qkv(fast)
+    taken = _spy_on_block(monkeypatch)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    steps = _steps(model, ids, 24, fast=True)
+    assert len(taken) == 24 * len(fast) and all(taken)
+    monkeypatch.undo()
+    # transformers' decoder layer forwards; the causal LM's forward is the same in both runs (it gets no
+    # one-token forward where not every layer takes the step)
+    reference = _steps(model, ids, 24, fast=False)
+    for step, (a, b) in enumerate(zip(steps, reference, strict=True)):
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b), (step, float((a - b).abs().max()))
+        else:
+            assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()), step
+
+
+def test_separate_qkv_linears_take_the_one_call_step(family_models, monkeypatch) -> None:
+    """q/k/v in different methods stay three linears (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q
+    and k, which cannot be fused): the one-call step runs them side by side, and 24 steps stay
+    bit-identical to transformers' forward over the same three linears."""
+    from hetmoe import load_model
+
+    model = load_model(family_models["qwen2_moe"], dtype=torch.float32, dense_method="int8")  # q/k/v biases
+    _unfuse_qkv(_fast_layers(model))
     taken = _spy_on_block(monkeypatch)
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(6))
     fast = _steps(model, ids, 24, fast=True)

@@ -5,7 +5,8 @@ it in Python: transformers' decoder layer, its attention module (a deprecation w
 unpacking, the attention-interface lookup), six module calls for q/k/v and their norms. For the
 case that matters most on a CPU, one token of one sequence, ``install_fast_decode`` gives each
 decoder layer of a family whose adapter names it (``MoEAdapter.decode_layer``: Qwen3-MoE,
-Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2, GLM-4-MoE, gpt-oss) a forward that calls the same modules' engine
+Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2, GLM-4-MoE, gpt-oss, Qwen3-Next's full-attention layers) a
+forward that calls the same modules' engine
 paths directly, in the same order and with the same roundings as transformers' forward (the tests
 hold the two bit-identical over many steps). Every other call (prefill, batches, masks, another
 attention implementation, autograd, hooks) runs transformers' own forward unchanged.
@@ -20,8 +21,10 @@ q/k norms per head, over the whole projection or none (``MoEAdapter.decode_qk_no
 rotary embedding over each head's leading values (partial rotary: GLM-4-MoE, MiniMax-M2; gpt-oss's
 tables of each frequency once, ``decode_rotary_tables``), gpt-oss's attention sinks and its
 sliding-window layers (the step attends over the window's rows of a ``SlidingLayer``, so no mask is
-needed past the window). Where it does not (another cache), Qwen3-MoE's layers take the same steps
-as separate engine calls; other families take transformers' forward.
+needed past the window), Qwen3-Next's query gate (``decode_gated_query``: the output times
+sigmoid(gate) before o_proj; that sigmoid is the engine's, within 2 ulp of torch's). Where it does not
+(another cache), Qwen3-MoE's layers take the same steps as separate engine calls; other families
+take transformers' forward.
 """
 
 from __future__ import annotations
@@ -107,11 +110,13 @@ def install_fast_decode(model: nn.Module, adapter: MoEAdapter) -> int:
             layer._hetmoe_qk_norm = qk_norm
             layer._hetmoe_half_tables = adapter.decode_rotary_tables == "half"
             layer._hetmoe_router_scores = adapter.returns_router_scores
+            layer._hetmoe_gated = adapter.decode_gated_query
             # The step-by-step path (_one_token's second half) is Qwen3-MoE's: per-head q/k norms and
             # the fused full-head rotary of fused_rope.py.
             rotary = getattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb", None)
             fused = "fused_qkv_proj" in layer.self_attn._modules
-            layer._hetmoe_steps = fused and qk_norm == "head" and hasattr(rotary, "hetmoe_original")
+            standard = not adapter.decode_gated_query and hasattr(rotary, "hetmoe_original")
+            layer._hetmoe_steps = fused and qk_norm == "head" and standard
             layer.forward = types.MethodType(_make_forward(type(layer).forward), layer)
             count += 1
     causal = adapter.decode_causal_lm
@@ -331,10 +336,10 @@ def _parts_unhooked(layer: nn.Module) -> bool:
 
 
 def _qk_norms_apply(attn: nn.Module, widths: tuple[int, int], dtype: torch.dtype) -> bool:
-    """The engine's norm kernel takes q_norm and k_norm as they are, over rows of ``widths`` (q's,
-    k's) values in ``dtype``."""
+    """The engine's norm kernel takes q_norm and k_norm as they are (in their own rounding mode), over
+    rows of ``widths`` (q's, k's) values in ``dtype``."""
     return dtype in _DTYPES and all(
-        n.weight.dtype == dtype and n.weight.shape == (w,) and n.weight.is_contiguous() and n._hetmoe_mode == 0
+        n.weight.dtype == dtype and n.weight.shape == (w,) and n.weight.is_contiguous()
         for n, w in zip((attn.q_norm, attn.k_norm), widths, strict=True)
     )
 
@@ -427,7 +432,8 @@ def _make_attention_block(
         b = [0, *itertools.accumulate(m.out_features for m in separate)]
         linears = tuple(m._engine for m in separate)
     hidden = attn.o_proj.out_features
-    heads, kv = (b[1] - b[0]) // d, (b[2] - b[1]) // d
+    gated = layer._hetmoe_gated  # q_proj's rows: each head's query, then its gate
+    heads, kv = (b[1] - b[0]) // (2 * d if gated else d), (b[2] - b[1]) // d
     if d % 16 or b[0] != 0 or b[3] - b[2] != kv * d or not kv or heads % kv or dtype not in _DTYPES:
         return None
     inputs = [m.in_features for m in separate] if separate is not None else [attn.fused_qkv_proj.linear.in_features]
@@ -470,6 +476,7 @@ def _make_attention_block(
         sinks=0 if sinks is None else sinks.data_ptr(),
         k_proj=linears[1],
         v_proj=linears[2],
+        gated=gated,
     )
     return block, router, kv, sinks
 

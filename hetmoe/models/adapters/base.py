@@ -63,6 +63,9 @@ class MoEAdapter(ABC):
     decode_rotary_tables: ClassVar[str] = "full"
     # The attention has sinks (``self_attn.sinks``: a logit per head in the softmax, gpt-oss).
     decode_sinks: ClassVar[bool] = False
+    # q_proj gives each head's query then as many gate values, and the attention's output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3-Next's full-attention layers).
+    decode_gated_query: ClassVar[bool] = False
     # Its modeling module's apply_rotary_pos_emb is transformers' standard one (rotate_half over the
     # whole head, cos/sin unsqueezed at dim 1): models/fused_rope.py puts the engine's in its place.
     standard_rotary: ClassVar[bool] = False

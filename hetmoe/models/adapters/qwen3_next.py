@@ -1,5 +1,8 @@
 """Qwen3-Next: Qwen2-MoE's routing (softmax top-k, norm_topk_prob) and sigmoid-gated shared expert,
-behind hybrid linear/full attention layers that hetmoe leaves to transformers."""
+behind hybrid layers: three of four mix tokens with a gated delta net (their one-token rule in the
+engine, models/delta_rule.py, inside transformers' layer code), the fourth with full attention whose
+query carries a gate (output times sigmoid(gate)); a full-attention layer's decode step is one engine
+call (models/fast_decode.py)."""
 
 from __future__ import annotations
 
@@ -24,9 +27,15 @@ class Qwen3NextAdapter(MoEAdapter):
     model_types = ("qwen3_next",)
     block_classes = ("Qwen3NextSparseMoeBlock",)
     rms_norms = (("Qwen3NextRMSNorm", "offset_scale", "eps"),)
+    # the full-attention layers' one-token step; the delta-net layers (no self_attn) keep their forward
+    decode_layer = "Qwen3NextDecoderLayer"
+    decode_qk_norm = "head"
+    decode_gated_query = True
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits(x, block.gate.weight)
+        return self.route_logits(block, router_logits(x, block.gate.weight))
+
+    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k(), bool(self.config.norm_topk_prob), logits.dtype)
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
