@@ -296,6 +296,8 @@ def test_qwen3_next_full_attention_layers_decode_in_one_call(tmp_path, monkeypat
     assert [layer.self_attn.layer_idx for layer in fast] == [i for i, k in enumerate(kinds) if k == "full_attention"]
     summary = model.hetmoe.summary(verbose=True)
     assert f"layer {kinds.index('full_attention')}: attention one engine call a decode step" in summary
+    delta = "attention delta net: transformers' layer in torch, its one-token rule in the engine (delta_rule.py)"
+    assert f"layer {kinds.index('linear_attention')}: {delta}" in summary
     if separate:
         _unfuse_qkv(fast)
     taken = _spy_on_block(monkeypatch)

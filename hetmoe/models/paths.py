@@ -41,6 +41,9 @@ def layer_paths(model: nn.Module) -> list[str]:
 def _attention(model: nn.Module, layer: nn.Module) -> str:
     attn = getattr(layer, "self_attn", None)
     if attn is None:
+        delta = getattr(layer, "linear_attn", None)
+        if delta is not None and getattr(delta.__dict__.get("forward"), "hetmoe_delta_rule", False):
+            return "delta net: transformers' layer in torch, its one-token rule in the engine (delta_rule.py)"
         return "none (linear attention: transformers' own layer in torch)"
     if getattr(attn.__dict__.get("forward"), "hetmoe_mla", False):
         return "MLA absorbed, latent cache, engine kernels (mla_attention.py)"
