@@ -6,10 +6,10 @@ unpacking, the attention-interface lookup), six module calls for q/k/v and their
 case that matters most on a CPU, one token of one sequence, ``install_fast_decode`` gives each
 decoder layer of a family whose adapter names it (``MoEAdapter.decode_layer``: Qwen3-MoE,
 Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2, GLM-4-MoE, gpt-oss, Qwen3-Next's full-attention layers) a
-forward that calls the same modules' engine
-paths directly, in the same order and with the same roundings as transformers' forward (the tests
-hold the two bit-identical over many steps). Every other call (prefill, batches, masks, another
-attention implementation, autograd, hooks) runs transformers' own forward unchanged.
+forward that calls the same modules' engine paths directly, in the same order and with the same
+roundings as transformers' forward (the tests hold the two bit-identical over many steps). Every
+other call (prefill, batches, masks, another attention implementation, autograd, hooks) runs
+transformers' own forward unchanged.
 
 It is installed only where the layer has what it reads: q/k/v fused into one engine call
 (runtime/fused_linears.py), or three engine linears where their methods do not fuse (a Q4_K_M file's
