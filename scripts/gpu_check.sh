@@ -7,8 +7,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]      (default: $OUT, else gpu-check/)
 #
 # PYTHON picks the interpreter (default python3: the one holding a CUDA build of torch). Packages
-# the machine lacks (fastapi, uvicorn, openai, gguf, ...; their tests skip without them) can travel
-# as wheels in .whl/, installed into /tmp/site first.
+# the machine lacks (transformers at the tested version, gguf, the server's stack, ...) travel as
+# wheels in .whl/ (scripts/device_wheels.sh fills it; carry it to the device run), installed into
+# /tmp/site first, each that fits the interpreter.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,7 +20,10 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 1
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  for w in .whl/*.whl; do  # one at a time: the compiled ones for other interpreters do not install
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w" \
+      >/dev/null 2>&1 || true
+  done
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
