@@ -127,27 +127,27 @@ void linear_row(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtyp
   e->wait(e->submit(x, x_dtype, 1, y, y_dtype));
 }
 
-void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int dtype, int64_t hidden,
-                        const NormSpec& post_norm, void* x_out, void* h_out) {
-  // The residual add as torch adds two tensors of the dtype: in fp32, rounded once.
-  if (dtype == kBF16Data) {
-    thread_local std::vector<float> a, b;
-    a.resize(hidden);
-    b.resize(hidden);
-    kt->bf16_to_f32(static_cast<const uint16_t*>(x), a.data(), int(hidden));
-    kt->bf16_to_f32(static_cast<const uint16_t*>(o), b.data(), int(hidden));
-    for (int64_t i = 0; i < hidden; ++i) a[i] += b[i];
-    kt->f32_to_bf16(a.data(), static_cast<uint16_t*>(x_out), int(hidden));
-  } else {
-    const float* xf = static_cast<const float*>(x);
-    const float* of = static_cast<const float*>(o);
-    float* out = static_cast<float*>(x_out);
-    for (int64_t i = 0; i < hidden; ++i) out[i] = xf[i] + of[i];
-  }
-  rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
-}
-
 namespace {
+
+// out[i] = f(a[i], b[i]) over n values of `dtype`, as torch combines two tensors of the dtype: bf16
+// operands widened to fp32 (exactly), the result rounded once. out may be a.
+template <typename F>
+void combine(const KernelTable* kt, const void* a, const void* b, int dtype, int64_t n, void* out, F f) {
+  if (dtype == kBF16Data) {
+    thread_local std::vector<float> af, bf;
+    af.resize(n);
+    bf.resize(n);
+    kt->bf16_to_f32(static_cast<const uint16_t*>(a), af.data(), int(n));
+    kt->bf16_to_f32(static_cast<const uint16_t*>(b), bf.data(), int(n));
+    for (int64_t i = 0; i < n; ++i) af[i] = f(af[i], bf[i]);
+    kt->f32_to_bf16(af.data(), static_cast<uint16_t*>(out), int(n));
+    return;
+  }
+  const float* af = static_cast<const float*>(a);
+  const float* bf = static_cast<const float*>(b);
+  float* o = static_cast<float*>(out);
+  for (int64_t i = 0; i < n; ++i) o[i] = f(af[i], bf[i]);
+}
 
 // v rounded to bf16 as torch rounds a float into a bf16 tensor (engine_common.h's f32_to_bf16).
 float bf16_round(float v) {
@@ -173,22 +173,20 @@ void split_gated_query(uint8_t* qkv, int64_t heads, int64_t kv_heads, int64_t D,
 // (torch's vectorized exp and libm's expf are each within an ulp of exp, so the fp32 sigmoid may
 // differ from torch's in its last bit: tests/test_fast_decode.py holds the path to that.)
 void apply_gate(const KernelTable* kt, void* out, const void* gate, int dtype, int64_t n) {
-  if (dtype == kBF16Data) {
-    thread_local std::vector<float> a, g;
-    a.resize(n);
-    g.resize(n);
-    kt->bf16_to_f32(static_cast<const uint16_t*>(out), a.data(), int(n));
-    kt->bf16_to_f32(static_cast<const uint16_t*>(gate), g.data(), int(n));
-    for (int64_t i = 0; i < n; ++i) a[i] *= bf16_round(1.f / (1.f + std::exp(-g[i])));
-    kt->f32_to_bf16(a.data(), static_cast<uint16_t*>(out), int(n));
-    return;
-  }
-  float* o = static_cast<float*>(out);
-  const float* g = static_cast<const float*>(gate);
-  for (int64_t i = 0; i < n; ++i) o[i] *= 1.f / (1.f + std::exp(-g[i]));
+  const bool bf16 = dtype == kBF16Data;
+  combine(kt, out, gate, dtype, n, out, [bf16](float a, float g) {
+    const float s = 1.f / (1.f + std::exp(-g));
+    return a * (bf16 ? bf16_round(s) : s);
+  });
 }
 
 }  // namespace
+
+void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int dtype, int64_t hidden,
+                        const NormSpec& post_norm, void* x_out, void* h_out) {
+  combine(kt, x, o, dtype, hidden, x_out, [](float a, float b) { return a + b; });  // as torch adds them
+  rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
+}
 
 void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out,
                                void* h_out, void* logits) const {

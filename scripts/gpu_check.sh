@@ -19,13 +19,9 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu_check: $PY has no torch that sees a CUDA device; nothing to check here (the cpu variants run in the suite)"
   exit 1
 fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-  for w in .whl/*.whl; do  # one at a time: the compiled ones for other interpreters do not install
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w" \
-      >/dev/null 2>&1 || true
-  done
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+# shellcheck source=scripts/carried_wheels.sh
+. scripts/carried_wheels.sh
+install_carried_wheels "$PY"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$DEST/gpu.txt"
 "$PY" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee -a "$DEST/gpu.txt"

@@ -13,14 +13,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 n=${1:-$(($(nproc) / 2))}
 shift || true
-if compgen -G ".whl/*.whl" >/dev/null; then
-  mkdir -p /tmp/site
-  for w in .whl/*.whl; do  # one at a time: the compiled ones for other interpreters do not install
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w" \
-      >/dev/null 2>&1 || true
-  done
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+# shellcheck source=scripts/carried_wheels.sh
+. scripts/carried_wheels.sh
+install_carried_wheels "$PY"
 "$PY" -c "import xdist" 2>/dev/null || { echo "suite_shards: $PY has no pytest-xdist (scripts/device_wheels.sh carries it)"; exit 2; }
 export PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=2
 report=()
