@@ -165,6 +165,10 @@ struct KernelTable {
   // (the K-quants' min term, else unused): tile_path.h's amx_block_sums.
   void (*amx_gemm_nibble)(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
                           const float* x_sum, float* c, int ldc);
+  // The same for a projection whose traits row has kTileCodesDigits and K a multiple of 64 (tile_path.h's
+  // tile_digits): its weights as two int8 digits on TDPBSSD against amx_pack_i8's digits.
+  void (*amx_gemm_digits)(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo,
+                          const float* x_scale, int T, float* c, int ldc);
 };
 
 constexpr int kAmxRows = 32;  // weight rows of one amx_gemm call: two A tiles

@@ -20,6 +20,7 @@
 // weights; bf16 activations) its lo term is absent and the pass is skipped: bf16 x bf16 is one pass.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -276,12 +277,14 @@ inline uint16_t bf16_of_small_int(int v) {
   std::memcpy(&u, &f, 4);
   return uint16_t(u >> 16);  // exact: |v| < 256
 }
+inline int nibble_value(int decode, int i) {
+  static const int kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  return decode == kNibbleE2M1 ? (i < 16 ? kE2M1x2[i] : 0) : has_min(decode) ? i : i - 16;
+}
 template <int Decode>
 inline __m512i nibble_table() {
-  static const int kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i)
-    t[i] = bf16_of_small_int(Decode == kNibbleE2M1 ? (i < 16 ? kE2M1x2[i] : 0) : has_min(Decode) ? i : i - 16);
+  for (int i = 0; i < 32; ++i) t[i] = bf16_of_small_int(nibble_value(Decode, i));
   return _mm512_load_si512(t);
 }
 
@@ -289,19 +292,20 @@ inline __m512i nibble_table() {
 // holds k 2i (low nibble) and 2i + 1 (high), so each byte becomes one dword of two word indices.
 // Halves (Q4_0): low nibbles are k 0-15, high nibbles k 16-31.
 template <bool Halves>
-inline __m512i nibble_row(const uint8_t* codes, __m512i offset, __m512i table) {
+inline __m512i nibble_index(const uint8_t* codes) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  __m512i idx;
   if constexpr (Halves) {
     const __m256i b = _mm256_cvtepu8_epi16(packed);
-    idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0x0F))),
-                             _mm256_srli_epi16(b, 4), 1);
-  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0x0F))),
+                              _mm256_srli_epi16(b, 4), 1);
+  } else {  // (b | b << 12) & 0x000F000F: the low nibble in the low word, the high one in the high word
     const __m512i b = _mm512_cvtepu8_epi32(packed);
-    idx = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)),
-                          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xF0)), 12));
+    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
   }
-  return _mm512_permutexvar_epi16(_mm512_add_epi16(idx, offset), table);
+}
+template <bool Halves>
+inline __m512i nibble_row(const uint8_t* codes, __m512i offset, __m512i table) {
+  return _mm512_permutexvar_epi16(_mm512_add_epi16(nibble_index<Halves>(codes), offset), table);
 }
 
 // Every cache line of [at, at + bytes) into L1.
@@ -596,6 +600,205 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
   tile_release();
 }
 
+// ---- 4-bit rows on int8 tiles (int4 sym/asym, gptq, GGUF Q4_0, mxfp4): two weight digits on TDPBSSD ----
+// The bf16 path above applies each group's scale after that group's tile products: at groups of 32, a
+// C tile store and a multiply-add per C row every 32 k, as long as the products themselves. Here the
+// scales go into the weights before the tiles: a row's weights w = s_g * v (v the code value) become
+// integers q ~ w / U on one unit U for the whole row, |q| <= 32639, split exactly into two int8 digits
+// q = 256 * hi + lo as the activations are (amx_pack_i8). The row's dot products are then exact int32
+// sums over all of K with nothing per group, and c = 256 U d_t (256 hh + mid) rounds in fp32 at the
+// end: per 64-k step three TDPBSSD (w_hi x_hi into hh; w_hi x_lo and w_lo x_hi both into mid, they
+// weigh the same), against the bf16 path's four TDPBF16PS (two 32-k steps of x_hi and x_lo) and two
+// group steps. The dropped w_lo x_lo is at most 2^14 units of U d_t a product.
+// q: v << shift as an int16 word (a table lookup; shift 12 where |v| <= 8, 11 where |v| <= 16) times
+// b_g = round(32639 s_g / s_max) (s_max: the row's largest |scale|) by VPMULHRSW, which rounds
+// (v << shift) b_g / 2^15 to an integer: q = round(v b_g 2^(shift - 15)), U = W / 32639 with
+// W = s_max 2^(15 - shift) >= the row's largest |w|. b_g's rounding moves q by at most
+// |v| 2^(shift - 15) / 2 <= 1/2 and VPMULHRSW's by 1/2: |q U - w| <= U. A dot product's error is then
+// at most sum_k (|x_k| W / 32639 + |w_k| amax_t / 65278) + K 2^14 W amax_t / 32639^2 (activations'
+// half unit, the dropped term), ~6e-5 of K W amax_t at most: the int16 level of the AVX-512 GEMVs.
+constexpr int digit_shift(int decode) { return decode == kNibbleEight || decode == kNibbleQ4_0 ? 12 : 11; }
+
+// v << shift by table index: the code itself (code - 8; twice an E2M1 value), or for codes with zero
+// points code + 16 - zero (nibble_value's indices).
+template <int Decode>
+inline __m512i digit_table() {
+  constexpr bool minus8 = Decode == kNibbleEight || Decode == kNibbleQ4_0;
+  alignas(64) int16_t t[32];
+  for (int i = 0; i < 32; ++i)
+    t[i] = minus8 && i >= 16 ? 0 : int16_t(nibble_value(Decode, minus8 ? i + 8 : i) * (1 << digit_shift(Decode)));
+  return _mm512_load_si512(t);
+}
+
+// A row's scales as fp32, one a step of its blocks (Q4_0: each block's d; the others: each group's) into sc[G].
+template <int Decode, int Kind>
+inline void digit_row_scales(const uint8_t* row, const uint8_t* s, int G, float* sc) {
+  int g = 0;
+  if constexpr (Decode == kNibbleQ4_0) {
+    for (; g < G; ++g) sc[g] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(row + int64_t(g) * 18));
+  } else if constexpr (Kind == kScaleBF16 || Kind == kScaleF16) {
+    for (; g + 16 <= G; g += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * g));
+      const __m512 bf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm512_storeu_ps(sc + g, Kind == kScaleF16 ? _mm512_cvtph_ps(h) : bf);
+    }
+  }
+  for (; g < G; ++g) sc[g] = nibble_scale<Kind>(s, g);
+}
+
+// 32 int16 q words of two 32-weight blocks (qa: k 0-31, qb: k 32-63) as their 64 low bytes (lo digits)
+// and 64 high bytes of q + 128 (hi digits), in k order: the saturating packs keep words' bytes exact
+// ((q & 255) in [0, 255]; (q + 128) >> 8 in [-128, 127]) and interleave 128-bit lanes, which VPERMQ undoes.
+inline void store_digits(__m512i qa, __m512i qb, int8_t* hi, int8_t* lo) {
+  const __m512i lanes = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), byte = _mm512_set1_epi16(0xFF);
+  const __m512i half = _mm512_set1_epi16(128);
+  const __m512i l = _mm512_packus_epi16(_mm512_and_si512(qa, byte), _mm512_and_si512(qb, byte));
+  const __m512i h = _mm512_packs_epi16(_mm512_srai_epi16(_mm512_add_epi16(qa, half), 8),
+                                       _mm512_srai_epi16(_mm512_add_epi16(qb, half), 8));
+  _mm512_storeu_si512(lo, _mm512_permutexvar_epi64(lanes, l));
+  _mm512_storeu_si512(hi, _mm512_permutexvar_epi64(lanes, h));
+}
+
+// Rows [r0, r0 + rows) of expert e as digits: a_hi/a_lo[r * K + k] (zero rows past R) and unit[r] = U.
+// A row with a NaN or infinite scale (which the loaders refuse: formats/base.py) gets a NaN unit and zero digits.
+template <int Decode, int Kind>
+void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
+  const int K = p.k;
+  const int step = Decode == kNibbleQ4_0 ? 32 : p.group, G = (K + step - 1) / step;
+  const int gshift = __builtin_ctz(unsigned(step));  // groups: powers of two (bindings.cpp)
+  const __m512i table = digit_table<Decode>();
+  const int64_t row_bytes = Decode == kNibbleQ4_0 ? int64_t(K / 32) * 18 : K / 2;
+  thread_local std::vector<float> sc;
+  thread_local std::vector<int16_t> b;
+  if (sc.size() < size_t(G)) {
+    sc.resize(G);
+    b.resize(G);
+  }
+  for (int r = 0; r < rows; ++r) {
+    int8_t* hi = a_hi + int64_t(r) * K;
+    int8_t* lo = a_lo + int64_t(r) * K;
+    if (r >= R) {
+      std::memset(hi, 0, K);
+      std::memset(lo, 0, K);
+      unit[r] = 0.f;
+      continue;
+    }
+    const int n = r0 + r;
+    const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
+    const uint8_t* s = Decode == kNibbleQ4_0 ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
+    const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
+    // this row of the next block (the next call's), fetched while this block's tiles run
+    prefetch_lines(row + kAmxRows * p.w_rstride, row_bytes);
+    // b_g = round(32639 s_g / s_max) for every group, s_max over the row (NaN or Inf: the row is bad)
+    digit_row_scales<Decode, Kind>(row, s, G, sc.data());
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int g = 0; g < G; g += 16) {
+      const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, sc.data() + g));
+      bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(__FLT_MAX__), _CMP_NLE_UQ);  // NaN or Inf
+      vmax = _mm512_max_ps(vmax, a);
+    }
+    const float smax = bad ? 0.f : _mm512_reduce_max_ps(vmax);
+    const __m512 inv = _mm512_set1_ps(smax > 0.f ? kDigitCodeMax / smax : 0.f);
+    unit[r] = bad ? __builtin_nanf("") : smax * float(1 << (15 - digit_shift(Decode))) / kDigitCodeMax;
+    for (int g = 0; g < G; g += 16) {  // |b_g| <= 32639; rounded to nearest even as lrintf would
+      const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.data() + g), inv));
+      _mm256_mask_storeu_epi16(b.data() + g, m, _mm512_cvtepi32_epi16(v));
+    }
+    // the digits, 64 weights (two blocks of 32 codes) at a time
+    for (int k = 0; k < K; k += 64) {
+      __m512i q[2];
+      for (int h = 0; h < 2; ++h) {
+        const int kk = k + 32 * h;
+        __m512i idx;
+        if constexpr (Decode == kNibbleQ4_0) {
+          idx = nibble_index<true>(row + int64_t(kk / 32) * 18 + 2);
+        } else {
+          idx = nibble_index<false>(row + kk / 2);
+          if constexpr (Decode == kNibbleZeros)
+            idx = _mm512_add_epi16(idx, _mm512_set1_epi16(int16_t(16 - z[kk >> gshift])));
+        }
+        q[h] = _mm512_mulhrs_epi16(_mm512_permutexvar_epi16(idx, table), _mm512_set1_epi16(b[kk >> gshift]));
+      }
+      store_digits(q[0], q[1], hi + k, lo + k);
+    }
+  }
+}
+
+// Tiles 0/1: rows 0-15 / 16-31, w_hi x_hi; 2/3: the same rows, w_hi x_lo + w_lo x_hi; A digits in 4/5
+// (hi, lo; the second row group's reloaded into them), B digits in 6/7 (hi, lo).
+template <int Decode, int Kind>
+void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
+                   int T, float* c, int ldc) {
+  const int K = p.k, S = K / 64, J = (T + 15) / 16;
+  const bool two_rows = R > 16;
+  const int rows = two_rows ? 32 : 16;
+  thread_local std::vector<int8_t> digits;
+  if (digits.size() < size_t(2) * kAmxRows * K + 64) digits.resize(size_t(2) * kAmxRows * K + 64);
+  int8_t* a_hi = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(digits.data()) + 63) & ~uintptr_t(63));
+  int8_t* a_lo = a_hi + int64_t(kAmxRows) * K;
+  alignas(64) float unit[kAmxRows];
+  decode_digit_rows<Decode, Kind>(p, e, r0, R, rows, a_hi, a_lo, unit);
+  configure_tiles();
+  alignas(64) int32_t acc[4][16][16];
+  for (int j = 0; j < J; ++j) {
+    const int64_t b0 = int64_t(j) * S * 1024;
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int s = 0; s < S; ++s) {
+      TILE_LOAD(6, x_hi + b0 + int64_t(s) * 1024, 64);
+      TILE_LOAD(7, x_lo + b0 + int64_t(s) * 1024, 64);
+      TILE_LOAD(4, a_hi + 64 * s, K);
+      TILE_LOAD(5, a_lo + 64 * s, K);
+      TILE_DPBSSD(0, 4, 6);
+      TILE_DPBSSD(2, 4, 7);
+      TILE_DPBSSD(2, 5, 6);
+      if (two_rows) {
+        TILE_LOAD(4, a_hi + 16 * K + 64 * s, K);
+        TILE_LOAD(5, a_lo + 16 * K + 64 * s, K);
+        TILE_DPBSSD(1, 4, 6);
+        TILE_DPBSSD(3, 4, 7);
+        TILE_DPBSSD(3, 5, 6);
+      }
+    }
+    TILE_STORE(0, acc[0], 64);
+    TILE_STORE(2, acc[2], 64);
+    if (two_rows) {
+      TILE_STORE(1, acc[1], 64);
+      TILE_STORE(3, acc[3], 64);
+    }
+    const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
+    for (int g = 0; g < (two_rows ? 2 : 1); ++g) {
+      alignas(64) float out[16][16];
+      for (int m = 0; m < 16; ++m) {
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[g][m])), _mm512_set1_ps(256.f),
+                                         _mm512_cvtepi32_ps(_mm512_load_si512(acc[g + 2][m])));
+        _mm512_store_ps(out[m], _mm512_mul_ps(v, _mm512_mul_ps(dt, _mm512_set1_ps(256.f * unit[16 * g + m]))));
+      }
+      store_c(out, 16 * g, R, 16 * j, T, c, ldc);
+    }
+  }
+  tile_release();
+}
+
+void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
+                     int T, float* c, int ldc) {
+#define HETMOE_DIGITS(D, S) return gemm_digits_t<D, S>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc)
+  if (p.method == kMXFP4) HETMOE_DIGITS(kNibbleE2M1, kScaleE8M0);
+  if (p.method == kQ4_0) HETMOE_DIGITS(kNibbleQ4_0, kScaleF16);
+  if (p.z) {
+    if (p.scale_kind == kScaleF16) HETMOE_DIGITS(kNibbleZeros, kScaleF16);
+    HETMOE_DIGITS(kNibbleZeros, kScaleBF16);
+  }
+  if (p.scale_kind == kScaleF16) HETMOE_DIGITS(kNibbleEight, kScaleF16);
+  HETMOE_DIGITS(kNibbleEight, kScaleBF16);
+#undef HETMOE_DIGITS
+}
+
 KernelTable make_table() {
   KernelTable t = *avx512_kernels();
 #ifdef HETMOE_AMX_EMULATED
@@ -609,6 +812,7 @@ KernelTable make_table() {
   t.amx_pack_i8 = amx_pack_i8;
   t.amx_gemm_i8 = amx_gemm_i8;
   t.amx_gemm_nibble = amx_gemm_nibble;
+  t.amx_gemm_digits = amx_gemm_digits;
   return t;
 }
 

@@ -1,15 +1,16 @@
 // The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
 // MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
 // weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and
-// so are int8 codes (on int8 tiles); 4-bit codes enter tiles as their exact integer values by their
-// own kernel, the scales applied after each group's products; every other method is dequantized to
-// an fp32 panel by its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5
-// accuracy: kernels_amx.cpp).
+// so are int8 codes (on int8 tiles); 4-bit weights become two int8 digits a weight with their scales
+// inside (int4, gptq, Q4_0, mxfp4), or enter bf16 tiles as their exact integer codes, the scales applied
+// after each group's products (Q4_K, Q5_K); every other method is dequantized to an fp32 panel by its
+// dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5 accuracy: kernels_amx.cpp).
 //
 // Compiled with the baseline flags only, like engine_common.h.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -22,12 +23,27 @@ namespace engine {
 inline bool tile_gemm(const KernelTable* kt) { return kt->amx_gemm != nullptr; }
 
 // How a projection meets the tiles: int8 rows with one fp32 scale a row (K a multiple of 64) on
-// TDPBSSD against int8 digits of the activations (amx_gemm_i8); every other method on bf16 tiles
-// against the activations' bf16 hi/lo (4-bit rows decoded into tiles by amx_gemm_nibble, bf16 rows
-// as stored, the rest through dequantized panels).
+// TDPBSSD against int8 digits of the activations (amx_gemm_i8), and so 4-bit rows (tile_digits below);
+// every other method on bf16 tiles against the activations' bf16 hi/lo (the K-quants' codes decoded into
+// tiles by amx_gemm_nibble, bf16 rows as stored, the rest through dequantized panels).
 inline bool tile_int8(const KernelTable* kt, const Proj& p) {
   return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
 }
+
+// 4-bit rows whose traits row has kTileCodesDigits, K a multiple of 64 (a TDPBSSD step) and at most 2^16
+// (the int32 accumulators sum two products of |127 * 128| a k): as two int8 digits a weight on TDPBSSD
+// against the activations' digits (amx_gemm_digits); K short of a 64 multiple takes the bf16 code tiles.
+// HETMOE_AMX_4BIT=codes keeps them all on the bf16 code tiles (read once: the A/B the benchmarks ran).
+inline bool tile_digits(const KernelTable* kt, const Proj& p) {
+  static const bool codes_only = [] {
+    const char* env = std::getenv("HETMOE_AMX_4BIT");
+    return env && std::strcmp(env, "codes") == 0;
+  }();
+  return kt->amx_gemm_digits && !codes_only && method_traits(p.method).tile_codes == kTileCodesDigits &&
+         p.k % 64 == 0 && p.k <= 65536;
+}
+// Whether a projection's tile GEMM reads the activations' int8 digits (amx_pack_i8) or their bf16 tiles.
+inline bool tile_reads_digits(const KernelTable* kt, const Proj& p) { return tile_int8(kt, p) || tile_digits(kt, p); }
 
 // sums[b * Tp + t] = the fp32 sum of a[t][32 b .. 32 b + 31] for t < T, 0 for t in [T, Tp), Tp = 16 * ceil(T / 16):
 // a block's sums for a token tile are 16 consecutive floats, the lanes of a C tile's row.
@@ -72,7 +88,7 @@ inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T
   const size_t n = size_t(amx_packed_elems(T, K));
   TileActs x;
   x.T = T;
-  if (!tile_int8(kt, a) || !tile_int8(kt, b)) {
+  if (!tile_reads_digits(kt, a) || !tile_reads_digits(kt, b)) {
     uint16_t* hi = sized(tl_tile.x_hi, n);
     uint16_t* lo = with_lo ? sized(tl_tile.x_lo, n) : nullptr;
     kt->amx_pack(rows, T, K, hi, lo);
@@ -85,7 +101,7 @@ inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T
     amx_block_sums(rows, T, K, sums);
     x.sums = sums;
   }
-  if (tile_int8(kt, a) || tile_int8(kt, b)) {
+  if (tile_reads_digits(kt, a) || tile_reads_digits(kt, b)) {
     int8_t* hi = sized(tl_tile.q_hi, n);
     int8_t* lo = sized(tl_tile.q_lo, n);
     float* d = sized(tl_tile.q_d, size_t(T + 15) / 16 * 16);
@@ -121,6 +137,10 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     const int padded = R > 16 ? kAmxRows : 16;  // the kernels read whole A tiles of 16 rows
     float* out = c + (r0 - n0);
     int64_t stride = 0;
+    if (tile_digits(kt, p)) {
+      kt->amx_gemm_digits(p, e, r0, R, x.q_hi, x.q_lo, x.q_d, x.T, out, ldc);
+      continue;
+    }
     if (kt->amx_gemm_nibble && method_traits(p.method).tile_codes != kTileCodesNone) {
       kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, x.sums, out, ldc);
       continue;

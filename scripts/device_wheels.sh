@@ -2,9 +2,11 @@
 # Fill .whl/ with the wheels a machine without this project's dependencies needs to run its tests,
 # at the versions installed in ./.venv (the tested ones): the GPU machine lent to some tasks has its
 # own Python (3.12, a CUDA torch, transformers 5.17) and cannot reach a package index. Pure-Python
-# wheels once, compiled ones for CPython 3.10-3.13 (scripts/gpu_check.sh and
-# scripts/suite_shards.sh install the ones that fit the interpreter, into /tmp/site).
-#   bash scripts/device_wheels.sh [DIR]        (default .whl; ~48 MB)
+# wheels once, compiled ones for the CPython versions in DEVICE_PYTHONS (default 3.12, the device's;
+# all four of 3.10-3.13 come to 53 MB, which with the tree passes the device run's 64 MiB carry
+# limit); scripts/gpu_check.sh, scripts/suite_shards.sh and scripts/amx_check.sh install the ones
+# that fit the interpreter, into /tmp/site.
+#   bash scripts/device_wheels.sh [DIR]        (default .whl; ~33 MB)
 # .whl/ is git-ignored: hand it to the device run as a carried path (carry: [".whl"]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ except m.PackageNotFoundError: print(sys.argv[1])" "$1"
 quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 pins=$(for p in $pure; do pin "$p"; done)
 quiet "$py" -m pip download -q --no-deps -d "$dest" $pins
-for v in 3.10 3.11 3.12 3.13; do
+for v in ${DEVICE_PYTHONS:-3.12}; do
   for p in $compiled; do
     spec=$(pin "$p")
     quiet "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux2014_x86_64 \

@@ -138,25 +138,21 @@ def test_auto_never_selects_the_emulator(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("method", "params", "K"),
     [
-        ("int4", {"group_size": 32}, 640),
-        ("int4", {"group_size": 128, "layout": "compressed-tensors"}, 640),
-        ("int4", {"group_size": 256}, 768),
-        ("int4-asym", {"group_size": 64}, 640),
-        ("gptq", {"group_size": 128, "sym": False}, 640),
-        ("gguf:q4_0", {}, 640),
+        ("int4", {"group_size": 32}, 608),  # K not a multiple of 64: the bf16 code tiles, not the digits
+        ("int4-asym", {"group_size": 32}, 608),
+        ("gguf:q4_0", {}, 608),
         ("gguf:q4_k", {}, 768),
         ("gguf:q5_k", {}, 768),
-        ("mxfp4", {}, 640),
     ],
 )
-def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: int) -> None:
-    """4-bit rows on the tiles (kernels_amx.cpp, gemm_nibble_t): the code values (code - zero, or twice
-    an E2M1 value) are exact bf16, so per element, relative to sum_k |w x| against float64: the
+def test_4bit_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: int) -> None:
+    """4-bit rows on bf16 tiles (kernels_amx.cpp, gemm_nibble_t): the code values (code - zero) are
+    exact bf16, so per element, relative to sum_k |w x| against float64: the
     activations' split drops at most 2^-18 of each product; each span of k sharing a scale adds its
     fp32 chains' at most span / 2 + 2 roundings (span <= 256 <= K / 2), one for the scale and one into
     the accumulator (K / 32 spans at most), each 2^-24 of a sum no larger than sum_k |w x|. 80 rows
     (two 32-row blocks and a 16-row one), 70 tokens (three token-tile pairs, the last one single),
-    K not a multiple of the 256-column chunk where the group allows (a 128-column tail).
+    K not a multiple of the 256-column chunk (a 96- or 128-column tail).
     Q4_K's and Q5_K's weights are d * sc * code - dmin * m: the min term, dmin * m (exact in fp32) times the
     activations' fp32 sum over the sub-block (31 roundings), is subtracted in one more rounding, so
     its sums are measured against sum_k |x| (|w| + |dmin m|), with 33 more roundings of 2^-24, and
@@ -182,3 +178,63 @@ def test_4bit_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: i
     scale = x.double().abs() @ magnitude.T
     bound = 2.0**-18 + (K / 2 + 4 + K / 32 + extra) * 2.0**-24
     assert float(((got - ref).abs() / scale).max()) <= bound
+
+
+def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
+    """Each row's largest |scale| as the format stores it (mxfp4: 2^(e - 127), the E2M1 values' own)."""
+    t = q.tensors
+    if q.method == "gguf:q4_0":
+        d = t[".weight"].view(q.shape[0], -1, 18)[:, :, :2].contiguous().view(torch.float16)
+        return d.double().abs().amax(dim=(1, 2))
+    if q.method == "mxfp4":
+        return (2.0 ** (t["_scales"].double() - 127)).amax(dim=1)
+    if q.method == "gptq":
+        return t[".scales"].double().abs().amax(dim=0)
+    return t[".weight_scale"].double().abs().amax(dim=1)
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize(
+    ("method", "params", "K", "span"),
+    [
+        ("int4", {"group_size": 32}, 640, 8),
+        ("int4", {"group_size": 128, "layout": "compressed-tensors"}, 640, 8),
+        ("int4", {"group_size": 256}, 768, 8),
+        ("int4-asym", {"group_size": 64}, 640, 16),
+        ("gptq", {"group_size": 128, "sym": False}, 640, 16),
+        ("gguf:q4_0", {}, 640, 8),
+        ("mxfp4", {}, 640, 8),
+    ],
+)
+def test_4bit_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K: int, span: int) -> None:
+    """4-bit rows as two int8 digits a weight on TDPBSSD (kernels_amx.cpp, gemm_digits_t), against
+    float64, per element. A row's weights become integers on one unit U = W / 32639, where W is
+    `span` times the row's largest |scale| (8 where the code values are within [-8, 8], 16 where
+    within [-16, 16]: code - zero; twice an E2M1 value against half its scale), each within one unit;
+    the activations are integers on d_t = amax_t / 32639, within half a unit. So the error is at most
+    W / 32639 sum_k |x_k| + amax_t / 65278 sum_k |w_k| + K 2^14 U d_t (the dropped product of the two
+    low digits, each at most 128) + 5 fp32 roundings of the int32 sums' conversion and scaling, each
+    2^-24 of at most K W amax_t. 80 rows (two 32-row blocks and a 16-row one), 70 tokens (five token
+    tiles, the last one short)."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(11)
+    codec = get_codec(method, **params)
+    q = codec.quantize(torch.randn(80, K, generator=g) * 0.05)
+    x = torch.randn(70, K, generator=g)
+    lin = CPULinear(q, gemv_max_tokens=0)
+    assert lin.isa == isa
+    got = lin(x).double()
+    w = codec.dequantize(q).double()
+    ref = x.double() @ w.T
+    W = span * _row_scale_max(q)  # [rows]
+    amax = x.double().abs().amax(dim=1, keepdim=True)  # [tokens, 1]
+    bound = (
+        x.double().abs().sum(dim=1, keepdim=True) * W / 32639
+        + amax / 65278 * w.abs().sum(dim=1)
+        + K * 2.0**14 * W * amax / 32639**2
+        + 5 * 2.0**-24 * K * W * amax
+    )
+    assert bool(((got - ref).abs() <= bound).all())
+    # the error is at the bound's scale, not far below it (a path that kept fp32 would pass any bound)
+    print("RATIO", method, float(((got - ref).abs() / bound).max()))
+    assert float(((got - ref).abs() / bound).max()) > 0.01
