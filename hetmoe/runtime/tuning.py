@@ -50,7 +50,7 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-TUNING_VERSION = 8  # 8: a bf16 model's GEMM path takes VDPBF16PS for every method
+TUNING_VERSION = 9  # 9: 4-bit GEMMs on AMX take int8 digit tiles (8: VDPBF16PS for a bf16 model's GEMMs)
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
