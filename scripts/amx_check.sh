@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The AMX kernels on a machine that has AMX (the GPU machine's host has): build there, run
-# tests/test_amx.py and AMX_CHECK_TESTS (the hardware tiles against the emulator, bit for bit, and both
-# against float64),
-# then time one Qwen3-30B-A3B MoE layer with `hetmoe bench moe` on 2 threads, once per setting of
+# tests/test_amx.py and the pytest arguments in AMX_CHECK_TESTS (the hardware tiles against the
+# emulator, bit for bit, and both against float64), then time one Qwen3-30B-A3B MoE layer with
+# `hetmoe bench moe` on 2 threads, once per setting of
 # AMX_CHECK_SETTINGS (space-separated; "default", or VAR=value[,VAR=value]), alternating,
 # AMX_CHECK_ROUNDS times, on the CPUs AMX_CHECK_CPUS lists (taskset's list; default: any).
 # Without AMX it stops at once with one line.
@@ -32,6 +32,7 @@ start=$(date +%s)
 "$PY" setup.py -q build_ext --inplace -j "$(nproc)" >"$DEST/build.log" 2>&1 || { tail -30 "$DEST/build.log"; exit 1; }
 echo "built the extension in $(($(date +%s) - start)) s"
 
+# shellcheck disable=SC2086  # AMX_CHECK_TESTS: pytest arguments, split on spaces
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_amx.py ${AMX_CHECK_TESTS:-} 2>&1 | tee "$DEST/tests.log" | tail -5
 tests_rc=${PIPESTATUS[0]}
 
