@@ -552,6 +552,30 @@ void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, fl
   }
 }
 
+// Token tile j's int32 sums from tiles 0-3 (0/1: rows 0-15 / 16-31 of the sums weighing 256; 2/3: the
+// same rows' sums weighing 1) to c[t * ldc + r] = row_scale[r] * x_scale[t] * (256 * hi + lo), rows
+// clipped to R, tokens to T: both int8-digit GEMMs end this way.
+inline void store_digit_sums(const float* row_scale, const float* x_scale, bool two_rows, int j, int R, int T,
+                             float* c, int ldc) {
+  alignas(64) int32_t acc[4][16][16];
+  TILE_STORE(0, acc[0], 64);
+  TILE_STORE(2, acc[2], 64);
+  if (two_rows) {
+    TILE_STORE(1, acc[1], 64);
+    TILE_STORE(3, acc[3], 64);
+  }
+  const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
+  for (int g = 0; g < (two_rows ? 2 : 1); ++g) {
+    alignas(64) float out[16][16];
+    for (int m = 0; m < 16; ++m) {
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[g][m])), _mm512_set1_ps(256.f),
+                                       _mm512_cvtepi32_ps(_mm512_load_si512(acc[g + 2][m])));
+      _mm512_store_ps(out[m], _mm512_mul_ps(v, _mm512_mul_ps(dt, _mm512_set1_ps(row_scale[16 * g + m]))));
+    }
+    store_c(out, 16 * g, R, 16 * j, T, c, ldc);
+  }
+}
+
 // Tiles 0/1: rows 0-15 / 16-31 against hi digits, 2/3 the same against lo; A rows in 4/5, B in 6/7.
 // c[t * ldc + r] for r < R (<= 32), t < T; w rows w_stride bytes apart, 16 * ceil(R / 16) readable.
 void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,
@@ -559,13 +583,11 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
   configure_tiles();
   const int S = K / 64, J = (T + 15) / 16;
   const bool two_rows = R > 16;
-  alignas(64) int32_t acc[4][16][16];
+  alignas(64) float row_scale[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < R ? w_scale[r] : 0.f;
   for (int j = 0; j < J; ++j) {
     const int64_t b0 = int64_t(j) * S * 1024;
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(2);
-    TILE_ZERO(3);
+    zero_c();
     for (int s = 0; s < S; ++s) {
       TILE_LOAD(4, w + 64 * s, w_stride);
       if (two_rows) TILE_LOAD(5, w + 16 * w_stride + 64 * s, w_stride);
@@ -578,24 +600,7 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
         TILE_DPBSSD(3, 5, 7);
       }
     }
-    TILE_STORE(0, acc[0], 64);
-    TILE_STORE(2, acc[2], 64);
-    if (two_rows) {
-      TILE_STORE(1, acc[1], 64);
-      TILE_STORE(3, acc[3], 64);
-    }
-    const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
-    for (int g = 0; g < (two_rows ? 2 : 1); ++g) {
-      alignas(64) float out[16][16];
-      for (int m = 0; m < 16; ++m) {
-        const int r = 16 * g + m;
-        const float sr = r < R ? w_scale[r] : 0.f;
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[g][m])), _mm512_set1_ps(256.f),
-                                         _mm512_cvtepi32_ps(_mm512_load_si512(acc[g + 2][m])));
-        _mm512_store_ps(out[m], _mm512_mul_ps(v, _mm512_mul_ps(dt, _mm512_set1_ps(sr))));
-      }
-      store_c(out, 16 * g, R, 16 * j, T, c, ldc);
-    }
+    store_digit_sums(row_scale, x_scale, two_rows, j, R, T, c, ldc);
   }
   tile_release();
 }
@@ -739,16 +744,14 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
   if (digits.size() < size_t(2) * kAmxRows * K + 64) digits.resize(size_t(2) * kAmxRows * K + 64);
   int8_t* a_hi = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(digits.data()) + 63) & ~uintptr_t(63));
   int8_t* a_lo = a_hi + int64_t(kAmxRows) * K;
-  alignas(64) float unit[kAmxRows];
+  alignas(64) float unit[kAmxRows], row_scale[kAmxRows];
   decode_digit_rows<Decode, Kind>(p, e, r0, R, rows, a_hi, a_lo, unit);
+  // the products weigh 65536 (hi x hi) and 256 (the mid sums): 256 U times 256 hh + mid
+  for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < rows ? 256.f * unit[r] : 0.f;
   configure_tiles();
-  alignas(64) int32_t acc[4][16][16];
   for (int j = 0; j < J; ++j) {
     const int64_t b0 = int64_t(j) * S * 1024;
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(2);
-    TILE_ZERO(3);
+    zero_c();
     for (int s = 0; s < S; ++s) {
       TILE_LOAD(6, x_hi + b0 + int64_t(s) * 1024, 64);
       TILE_LOAD(7, x_lo + b0 + int64_t(s) * 1024, 64);
@@ -765,22 +768,7 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
         TILE_DPBSSD(3, 5, 6);
       }
     }
-    TILE_STORE(0, acc[0], 64);
-    TILE_STORE(2, acc[2], 64);
-    if (two_rows) {
-      TILE_STORE(1, acc[1], 64);
-      TILE_STORE(3, acc[3], 64);
-    }
-    const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
-    for (int g = 0; g < (two_rows ? 2 : 1); ++g) {
-      alignas(64) float out[16][16];
-      for (int m = 0; m < 16; ++m) {
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[g][m])), _mm512_set1_ps(256.f),
-                                         _mm512_cvtepi32_ps(_mm512_load_si512(acc[g + 2][m])));
-        _mm512_store_ps(out[m], _mm512_mul_ps(v, _mm512_mul_ps(dt, _mm512_set1_ps(256.f * unit[16 * g + m]))));
-      }
-      store_c(out, 16 * g, R, 16 * j, T, c, ldc);
-    }
+    store_digit_sums(row_scale, x_scale, two_rows, j, R, T, c, ldc);
   }
   tile_release();
 }

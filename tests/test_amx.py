@@ -134,6 +134,20 @@ def test_auto_never_selects_the_emulator(monkeypatch) -> None:
     assert select_isa("auto") != "amx-emu"
 
 
+def _tile_linear(isa: str, method: str, params: dict, K: int) -> tuple:
+    """80 random rows of K in `method` and 70 tokens through CPULinear on the tile path of `isa`: the
+    stored weights, the activations, the dequantized weights (float64), the output and float64's."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(11)
+    codec = get_codec(method, **params)
+    q = codec.quantize(torch.randn(80, K, generator=g) * 0.05)
+    x = torch.randn(70, K, generator=g)
+    lin = CPULinear(q, gemv_max_tokens=0)
+    assert lin.isa == isa
+    w = codec.dequantize(q).double()
+    return q, x, w, lin(x).double(), x.double() @ w.T
+
+
 @pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize(
     ("method", "params", "K"),
@@ -158,22 +172,14 @@ def test_4bit_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict,
     activations' fp32 sum over the sub-block (31 roundings), is subtracted in one more rounding, so
     its sums are measured against sum_k |x| (|w| + |dmin m|), with 33 more roundings of 2^-24, and
     2 for the fp32 weights the reference dequantizes (each rounded from d * sc * code - dmin * m)."""
-    select_isa(isa)
-    g = torch.Generator().manual_seed(11)
-    codec = get_codec(method, **params)
-    q = codec.quantize(torch.randn(80, K, generator=g) * 0.05)
-    x = torch.randn(70, K, generator=g)
-    lin = CPULinear(q, gemv_max_tokens=0)
-    assert lin.isa == isa
-    got = lin(x).double()
-    w = codec.dequantize(q).double()
-    ref = x.double() @ w.T
+    q, x, w, got, ref = _tile_linear(isa, method, params, K)
     magnitude = w.abs()
     extra = 0
     if method in ("gguf:q4_k", "gguf:q5_k"):  # the codes zeroed leave -dmin * m in every weight's place
         blocks = q.tensors[".weight"].clone().view(80, -1, 144 if method == "gguf:q4_k" else 176)
         blocks[:, :, 16:] = 0
-        mins = codec.dequantize(QuantizedTensor(q.method, q.shape, {".weight": blocks.view(80, -1)}, q.params))
+        zeroed = QuantizedTensor(q.method, q.shape, {".weight": blocks.view(80, -1)}, q.params)
+        mins = get_codec(method).dequantize(zeroed)
         magnitude = magnitude + mins.double().abs()
         extra = 33 + 2
     scale = x.double().abs() @ magnitude.T
@@ -217,16 +223,7 @@ def test_4bit_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dic
     low digits, each at most 128) + 5 fp32 roundings of the int32 sums' conversion and scaling, each
     2^-24 of at most K W amax_t. 80 rows (two 32-row blocks and a 16-row one), 70 tokens (five token
     tiles, the last one short)."""
-    select_isa(isa)
-    g = torch.Generator().manual_seed(11)
-    codec = get_codec(method, **params)
-    q = codec.quantize(torch.randn(80, K, generator=g) * 0.05)
-    x = torch.randn(70, K, generator=g)
-    lin = CPULinear(q, gemv_max_tokens=0)
-    assert lin.isa == isa
-    got = lin(x).double()
-    w = codec.dequantize(q).double()
-    ref = x.double() @ w.T
+    q, x, w, got, ref = _tile_linear(isa, method, params, K)
     W = span * _row_scale_max(q)  # [rows]
     amax = x.double().abs().amax(dim=1, keepdim=True)  # [tokens, 1]
     bound = (
