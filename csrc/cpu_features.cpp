@@ -75,7 +75,8 @@ int default_int_vector_bits() {
   return f.amd && f.can_avx512() ? 512 : 256;
 }
 
-std::atomic<int> g_int_vector_bits{default_int_vector_bits()};
+std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes] = {
+    {default_int_vector_bits(), default_int_vector_bits()}, {default_int_vector_bits(), default_int_vector_bits()}};
 int default_prefetch_nta() { return cpu_features().amd ? 1 : 0; }
 
 std::atomic<int> g_prefetch_nta{default_prefetch_nta()};

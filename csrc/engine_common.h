@@ -172,10 +172,18 @@ inline Bf16Rows bf16_rows(const KernelTable* kt, const Proj& p, int e, int n0, i
   return {rows, p.k};
 }
 
-// The activation layout each method's GEMV kernel reads (Act in kernels.h), at the width it runs.
-inline int act_quant_for(const KernelTable* kt, int method, int K) {
+// How wide the integer GEMVs reading layout `mode` run in a job whose busiest expert (or linear) has
+// `tokens` tokens: the decode regime where each GEMV call is one pass (kernels.h g_int_vector_bits).
+inline int gemv_bits(int mode, int tokens) {
+  const int regime = tokens <= kGemvTokens ? kWidthDecode : kWidthPrompt;
+  return g_int_vector_bits[width_family(mode)][regime].load(std::memory_order_relaxed);
+}
+
+// The activation layout each method's GEMV kernel reads (Act in kernels.h), at the width it runs in a
+// job whose busiest expert (or linear) has `tokens` tokens.
+inline int act_quant_for(const KernelTable* kt, int method, int K, int tokens) {
   const int mode = method_traits(method).gemv_act;
-  return mode == kActNone ? kActNone : kt->act_layout(mode, K);
+  return mode == kActNone ? kActNone : kt->act_layout(mode, K, gemv_bits(mode, tokens));
 }
 
 inline float bf16_to_f32(uint16_t v) {

@@ -111,10 +111,10 @@ struct KernelTable {
                     int ldc);
   // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
   void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
-  // The layout a method's GEMV reads at the width it runs for rows of K: kActPairs and kActNatural
-  // become their 512-bit layouts where GEMVs run 512 bits wide (g_int_vector_bits, K a multiple of
-  // 256); the GGUF digit layouts (512-bit only) become kActNatural where they do not.
-  int (*act_layout)(int mode, int K);
+  // The layout a method's GEMV reads for rows of K with its GEMVs `bits` wide (engine_common.h:
+  // gemv_bits): kActPairs and kActNatural become their 512-bit layouts at 512 bits (K a multiple of
+  // 256); the GGUF digit layouts (512-bit only) become kActNatural where the GEMVs do not run 512 wide.
+  int (*act_layout)(int mode, int K, int bits);
   // h[i] = silu(g[i]) * u[i]
   void (*silu_mul)(const float* g, const float* u, float* h, int n);
   // Clamped SwiGLU of gpt-oss: g = min(g, limit); u = clamp(u, -limit, limit);
@@ -178,10 +178,19 @@ constexpr int64_t amx_packed_elems(int T, int K) { return int64_t((T + 15) / 16)
 // running max and sum per row.
 constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk + Dv) + int64_t(M) * 66; }
 
-// Vector width of the AVX-512 unit's integer GEMVs (4-bit and natural-order): 512 or 256 (cpu_features.cpp picks it).
-// Read when an activation row is quantized (its layout records the width, and the GEMVs follow the
-// layout), so a change applies to the next row. Atomic: Python sets it while the pool's workers read it.
-extern std::atomic<int> g_int_vector_bits;
+// Vector width of the AVX-512 unit's integer GEMVs: 512 or 256 (cpu_features.cpp picks the default; the
+// tuner measures each), per family of activation layouts and per regime, since they differ in which
+// width is faster (an AMD Zen 4, 2 threads: int8 at one token an expert 8-13% faster at 256 bits and at
+// 8 tokens an expert 7% faster at 512; int4 faster at 512 in both). Families: [kWidthNatural] the
+// int16-code GEMVs (kActNatural: int8, Q8_0), [kWidthDigits] the 4-bit ones (kActPairs and the GGUF
+// digit layouts). Regimes: [kWidthDecode] a job whose every GEMV call is one pass of at most
+// kGemvTokens tokens (decode), [kWidthPrompt] the rest. Read when a job picks its activation layout
+// (engine_common.h: act_quant_for; the GEMVs follow the layout), so a change applies to the next job.
+// Atomic: Python sets them while the pool's workers read them.
+enum IntWidthFamily : int { kWidthDigits = 0, kWidthNatural = 1, kWidthFamilies = 2 };
+enum IntWidthRegime : int { kWidthDecode = 0, kWidthPrompt = 1, kWidthRegimes = 2 };
+inline int width_family(int mode) { return mode == kActNatural ? kWidthNatural : kWidthDigits; }
+extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // Nonzero: the GEMVs prefetch weight rows non-temporally (kernels_common.inc: prefetch_line). Atomic
 // for the same reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
 extern std::atomic<int> g_prefetch_nta;

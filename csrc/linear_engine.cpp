@@ -52,7 +52,7 @@ class LinearJob final : public Job {
     }
     items_.repeat(T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
-    if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_));  // the GEMM path reads fp32 rows
+    if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T));  // the GEMM path reads fp32 rows
   }
 
   Phase next_phase(int index) override {

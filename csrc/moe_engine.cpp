@@ -54,7 +54,10 @@ class MoEJob final : public Job {
     // count, busiest first): a prefill whose experts all take the GEMM path skips their phase-0 and
     // phase-2 quantization.
     const bool any_gemv = !active_.empty() && active_.back().count <= gemv_max;
-    const auto gemv_layout = [&](int method, int K) { return any_gemv ? act_quant_for(kt, method, K) : kActNone; };
+    const int busiest = active_.empty() ? 0 : active_[0].count;
+    const auto gemv_layout = [&](int method, int K) {
+      return any_gemv ? act_quant_for(kt, method, K, busiest) : kActNone;
+    };
     x_act_.allocate(T, H, gemv_layout(gate.method, H));
     // Gate and up in methods whose GEMVs read different layouts (a GGUF file may store them in two
     // types) each get their own copy of the activations.

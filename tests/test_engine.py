@@ -221,6 +221,50 @@ def test_gemv_widths_agree(method: str, group: int) -> None:
         set_int_vector_bits(384)
 
 
+def test_each_family_and_regime_runs_at_its_own_width() -> None:
+    """The integer GEMVs' width is set per family (4-bit digits, int16 codes) and regime (decode: at
+    most 4 tokens an expert; prompt: more): a job runs at the width of its family in its regime. Seen
+    in the results: the 256- and 512-bit loops sum in different orders, so each width's output is its
+    own, bit for bit (checked first: were they equal, this test could not tell them apart)."""
+    if "avx512" not in ISAS:
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(3)
+    w = [torch.randn(8, 256, 512, generator=g) * 0.05 for _ in range(2)]
+    w.append(torch.randn(8, 512, 256, generator=g) * 0.05)
+    experts = {m: CPUExperts(*(get_codec(m, **_codec_params(m, 32, "bytes")).quantize(t) for t in w),
+                             gemv_max_tokens=1000) for m in ("int8", "int4")}  # fmt: skip
+    decode = (torch.randn(1, 512, generator=g), torch.tensor([[1, 5]]), torch.tensor([[0.75, 0.25]]))
+    ids = torch.arange(8).repeat(3).view(12, 2)  # 3 tokens an expert: still the decode regime
+    prompt_ids = torch.arange(8).repeat(8).view(32, 2)  # 8 tokens an expert: the prompt regime
+    prompt = (torch.randn(32, 512, generator=g), prompt_ids, torch.rand(32, 2, generator=g))
+    few = (torch.randn(12, 512, generator=g), ids, torch.rand(12, 2, generator=g))
+    select_isa("avx512")
+    try:
+        alone = {}
+        for bits in (256, 512):
+            set_int_vector_bits(bits)
+            alone[bits] = {m: [ce.forward(*a) for a in (decode, few, prompt)] for m, ce in experts.items()}
+        for m in experts:
+            for i in range(3):
+                assert not torch.equal(alone[256][m][i], alone[512][m][i]), (m, i)
+        set_int_vector_bits(0)
+        set_int_vector_bits(256, "int8", "decode")
+        set_int_vector_bits(512, "int8", "prompt")
+        set_int_vector_bits(512, "int4", "decode")
+        set_int_vector_bits(256, "int4", "prompt")
+        assert int_vector_bits("int8", "decode") == 256 and int_vector_bits("int4", "prompt") == 256
+        for m, (d, p) in {"int8": (256, 512), "int4": (512, 256)}.items():
+            got = [experts[m].forward(*a) for a in (decode, few, prompt)]
+            assert torch.equal(got[0], alone[d][m][0]) and torch.equal(got[1], alone[d][m][1]), m
+            assert torch.equal(got[2], alone[p][m][2]), m
+    finally:
+        set_int_vector_bits(0)
+    with pytest.raises(ValueError, match="family"):
+        set_int_vector_bits(512, "int2")
+    with pytest.raises(ValueError, match="regime"):
+        set_int_vector_bits(512, "int8", "prefill")
+
+
 def test_default_gemv_switch_follows_the_vector_width() -> None:
     """Where 512-bit GEMVs run every projection, experts and linears stay on them at every token
     count; at 256 bits, or for other formats or widths, the measured switch points hold."""

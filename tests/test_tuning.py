@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from hetmoe.formats import get_codec
-from hetmoe.kernels.dispatch import int_vector_bits, set_int_vector_bits, set_weight_prefetch
+from hetmoe.kernels.dispatch import (
+    WIDTH_FAMILIES,
+    WIDTH_REGIMES,
+    int_vector_bits,
+    int_vector_widths,
+    set_int_vector_bits,
+    set_weight_prefetch,
+)
 from hetmoe.runtime import CPUExperts, tuning
 from hetmoe.runtime.cpu_experts import default_gemv_max
 from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
@@ -26,21 +33,32 @@ def small_tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "INTERMEDIATE", 256)  # whole 256-weight blocks of the K-quants
     monkeypatch.setattr(tuning, "TOKENS_PER_EXPERT", (1, 2, 4))
     monkeypatch.setattr(tuning, "_choices", None)
-    bits = int_vector_bits()
+    widths = int_vector_widths()
     yield tmp_path
-    set_int_vector_bits(bits)
+    for family, regimes in widths.items():
+        for regime, bits in regimes.items():
+            set_int_vector_bits(bits, family, regime)
     set_weight_prefetch("default")
     tuning._choices = None
 
 
 def test_tune_measures_caches_and_applies(small_tuner) -> None:
     record = tuning.tune()
-    assert record["int_vector_bits"] in (256, 512) and record["weight_prefetch"] in ("t0", "nta")
+    widths = record["int_vector_bits"]  # a width for each family of integer GEMVs in each regime
+    assert set(widths) == set(WIDTH_FAMILIES) and all(set(r) == set(WIDTH_REGIMES) for r in widths.values())
+    assert all(b in (256, 512) for r in widths.values() for b in r.values()) and record["weight_prefetch"] in (
+        "t0",
+        "nta",
+    )
+    for family in WIDTH_FAMILIES:  # measured apart, decode and 8 tokens an expert
+        assert {f"{family} gemv decode", f"{family} gemv 8 tokens/expert"} <= set(record["timings_ms"]) or (
+            record["isa"] == "avx2"
+        )
     assert set(record["gemv_max"]) == {tuning.FAMILIES[m] for m in tuning.TUNED_METHODS}
     for value in record["gemv_max"].values():
         assert value in (1, 2, 3, GEMV_ALL_TOKENS)  # GEMV at 1 always; then the crossing, or every count
     assert "int4 2 tokens/expert" in record["timings_ms"]
-    assert int_vector_bits() == record["int_vector_bits"] or record["isa"] == "avx2"
+    assert int_vector_widths() == widths or record["isa"] == "avx2"  # applied
     # cached beside the doctor's figures, and read back by a later process (here: the module afresh)
     on_disk = json.loads((small_tuner / "hetmoe" / "tuning.json").read_text())
     assert next(iter(on_disk.values()))["gemv_max"] == record["gemv_max"]
@@ -62,11 +80,11 @@ def test_tune_off_and_overrides(small_tuner, monkeypatch) -> None:
     assert tuning.choices() is None and tuning.tuned_gemv_max("int4") is None  # the built-in defaults
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     if record["isa"] != "avx2":  # HETMOE_INT_VECTOR_BITS (applied when the engine loads) outranks the record
-        other = 256 if record["int_vector_bits"] == 512 else 512
+        other = 256 if record["int_vector_bits"]["int4"]["prompt"] == 512 else 512
         monkeypatch.setenv("HETMOE_INT_VECTOR_BITS", str(other))
         set_int_vector_bits(other)
         tuning.apply(record)
-        assert int_vector_bits() == other
+        assert int_vector_bits("int4", "prompt") == other
 
 
 def test_crossing_interpolates_between_the_grid_counts() -> None:

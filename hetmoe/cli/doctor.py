@@ -102,6 +102,9 @@ def report(model: str, threads: int, remeasure: bool, tune: bool = False) -> dic
 
             set_num_threads(threads)
         out["tuning"] = tuning.tune() if tune else tuning.cached()
+        if out["tuning"] is not None and tuning.choices() is not None:  # what a model load now runs with
+            tuning.apply(out["tuning"])
+            out["engine"] = isa_report()
     out["verdict"] = _verdict(out)
     return out
 
@@ -132,6 +135,20 @@ def _verdict(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _widths(widths: object) -> str:
+    """The integer GEMVs' widths as the engine reports them (kernels.dispatch.int_vector_widths): "int4 512,
+    int8 256 (decode) / 512 (prompt) bits wide"."""
+    if not isinstance(widths, dict):
+        return f"{widths} bits wide"
+    parts = []
+    for family, regimes in widths.items():
+        if isinstance(regimes, dict) and len(set(regimes.values())) > 1:
+            parts.append(f"{family} " + " / ".join(f"{bits} ({regime})" for regime, bits in regimes.items()))
+        else:
+            parts.append(f"{family} {next(iter(regimes.values())) if isinstance(regimes, dict) else regimes}")
+    return ", ".join(parts) + " bits wide"
+
+
 def _tokens(gemv_max: int) -> str:
     from ..runtime.engine_layout import GEMV_ALL_TOKENS
 
@@ -154,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if eng.get("available"):
         print(
             f"engine   best variant {eng['best']}, selected {eng['selected']}, "
-            f"integer GEMVs {eng['int_vector_bits']} bits wide, weight prefetch {eng['weight_prefetch']}"
+            f"integer GEMVs {_widths(eng['int_vector_bits'])}, weight prefetch {eng['weight_prefetch']}"
         )
         pool = eng["pool"]
         if "error" in pool:
@@ -185,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             switch = ", ".join(f"{m} {_tokens(v)}" for m, v in tr["gemv_max"].items())
             print(
-                f"tuned    integer GEMVs {tr['int_vector_bits']} bits, "
+                f"tuned    integer GEMVs {_widths(tr['int_vector_bits'])}, "
                 f"weight prefetch {tr.get('weight_prefetch', '-')}; "
                 f"GEMV up to (tokens an expert): {switch} "
                 f"({tr['isa']}, {tr['measured_at']}, {tr['seconds']} s)"

@@ -4,10 +4,11 @@ The variant is chosen once per process from CPUID (best of amx > avx512 > avx2),
 ``HETMOE_ISA=avx2|avx512|amx``; forcing one the CPU (or OS) lacks raises a ValueError that says
 what is missing, it never executes an illegal instruction.
 
-Within the AVX-512 variant the integer GEMVs (4-bit and natural-order) run 256 or 512 bits wide:
-512 on AMD (Zen 5 runs 512-bit integer ops at full width), 256 elsewhere (on Intel they streamed
-rows no faster, measured); ``HETMOE_INT_VECTOR_BITS=256|512`` or :func:`set_int_vector_bits`
-chooses.
+Within the AVX-512 variant the integer GEMVs run 256 or 512 bits wide, chosen apart for the 4-bit
+ones and the int16-code ones (int8, Q8_0): before tuning 512 on AMD (Zen 5 runs 512-bit integer ops
+at full width), 256 elsewhere (on Intel they streamed rows no faster, measured); the tuner measures
+each family (runtime/tuning.py); ``HETMOE_INT_VECTOR_BITS=256|512`` (both families) or
+:func:`set_int_vector_bits` chooses.
 
 The GEMVs prefetch the weight rows they stream ahead of use, non-temporally on AMD (a row read
 once a step then stops evicting what the step reuses: measured faster on Zen 5) and with ordinary
@@ -48,7 +49,7 @@ def engine_module() -> ModuleType:
         if bits:
             if bits not in ("256", "512"):
                 raise ValueError(f"{INT_VECTOR_BITS_ENV}={bits!r}: expected 256 or 512")
-            _C.set_int_vector_bits(int(bits))
+            _C.set_int_vector_bits(int(bits), -1, -1)  # every family and regime
         hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
         if hint:
             if hint not in _PREFETCH_HINTS:
@@ -105,14 +106,53 @@ def set_idle_spin_us(us: int) -> None:
     engine_module().set_idle_spin_us(int(us))
 
 
-def set_int_vector_bits(bits: int) -> None:
-    """Width of the AVX-512 variant's integer GEMVs: 256, 512, or 0 for this CPU's default; applies
-    from the next engine call (the AVX2 variant is always 256)."""
-    engine_module().set_int_vector_bits(int(bits))
+# The integer GEMVs' width is chosen apart per family (csrc/kernels.h IntWidthFamily): "int4", the 4-bit
+# digit GEMVs (int4, gptq, mxfp4, GGUF's 4-6-bit types), and "int8", the int16-code ones (int8, Q8_0);
+# each layout's family is in its traits row (``gemv_width``). And per regime (IntWidthRegime):
+# "decode", a job whose every GEMV call is one pass (at most 4 tokens an expert), and "prompt".
+WIDTH_FAMILIES = {"int4": 0, "int8": 1}
+WIDTH_REGIMES = {"decode": 0, "prompt": 1}
 
 
-def int_vector_bits() -> int:
-    return engine_module().int_vector_bits()
+def _width_index(table: dict[str, int], what: str, key: str | None) -> int:
+    if key is None:
+        return -1
+    if key not in table:
+        raise ValueError(f"integer GEMV {what}: expected one of {sorted(table)}, got {key!r}")
+    return table[key]
+
+
+def set_int_vector_bits(bits: int, family: str | None = None, regime: str | None = None) -> None:
+    """Width of the AVX-512 variant's integer GEMVs: 256, 512, or 0 for this CPU's default, for one
+    family (``"int4"``, ``"int8"``) and regime (``"decode"``, ``"prompt"``), or all of them (None);
+    applies from the next engine call (the AVX2 variant is always 256)."""
+    engine_module().set_int_vector_bits(
+        int(bits), _width_index(WIDTH_FAMILIES, "family", family), _width_index(WIDTH_REGIMES, "regime", regime)
+    )
+
+
+def int_vector_bits(family: str = "int4", regime: str = "prompt") -> int:
+    """The width ``family``'s integer GEMVs run at in ``regime`` (see set_int_vector_bits)."""
+    f = _width_index(WIDTH_FAMILIES, "family", family)
+    r = _width_index(WIDTH_REGIMES, "regime", regime)
+    return int(engine_module().int_vector_bits(f, r))
+
+
+def int_vector_widths() -> dict[str, dict[str, int]]:
+    """Every family's width in every regime, as set now: ``{"int4": {"decode": 512, ...}, ...}``."""
+    return {f: {r: int_vector_bits(f, r) for r in WIDTH_REGIMES} for f in WIDTH_FAMILIES}
+
+
+def gemv_width_family(layout: str) -> str | None:
+    """The integer GEMV family of a stored layout (``"int8"``, ``"gguf:q4_k"``, ...) from its traits row:
+    "int4", "int8", or None where it has no integer GEMV; a KeyError for a layout without a row."""
+    global _width_families
+    if _width_families is None:
+        _width_families = {row["name"]: row["gemv_width"] or None for row in engine_module().methods()}
+    return _width_families[layout]
+
+
+_width_families: dict[str, str | None] | None = None
 
 
 def set_weight_prefetch(hint: str) -> None:
@@ -139,7 +179,7 @@ def isa_report() -> dict[str, Any]:
         "features": mod.cpu_features(),
         "best": mod.best_isa(),
         "selected": mod.selected_isa(),
-        "int_vector_bits": mod.int_vector_bits() if mod.selected_isa() != "avx2" else 256,
+        "int_vector_bits": int_vector_widths() if mod.selected_isa() != "avx2" else 256,
         "weight_prefetch": weight_prefetch(),
         "pool": pool_report(),
     }

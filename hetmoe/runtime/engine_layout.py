@@ -48,12 +48,32 @@ def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
     Zen 5 (2 threads), linears at 512 tokens 2048 -> 5120: int4 38 -> 31 ms, int8 44 -> 32 ms, Q4_0
     43 -> 38 ms; a Qwen3-30B-A3B layer's experts at 512 tokens: int4 128 -> 121 ms, int8 153 -> 136
     ms, Q4_0 and Q4_K within 3% either way."""
-    from ..kernels.dispatch import engine_module
+    from ..kernels.dispatch import engine_module, int_vector_bits
 
-    mod = engine_module()
-    if mod.selected_isa() == "avx2" or mod.int_vector_bits() != 512:
+    if engine_module().selected_isa() == "avx2":
         return False
-    return all(q.method in WIDE_GEMV_METHODS and q.shape[-1] >= 256 for q in projections)
+    return all(
+        q.method in WIDE_GEMV_METHODS
+        and q.shape[-1] >= 256
+        and int_vector_bits(gemv_width_family(q.method), "prompt") == 512
+        for q in projections
+    )
+
+
+# Codecs stored in another codec's engine layout (engine_projection below).
+_LAYOUT_OF = {"int4-asym": "int4", "gptq": "int4", "fp8-channel": "fp8"}
+
+
+def gemv_width_family(method: str) -> str:
+    """The integer GEMV family (kernels.dispatch.WIDTH_FAMILIES) whose width ``method``'s GEMV runs at:
+    its layout's traits row says; "int4" for a method without an integer GEMV or without a row of its
+    own (GGUF types the engine transcodes: never wide), whose width changes nothing."""
+    from ..kernels.dispatch import gemv_width_family as layout_family
+
+    try:
+        return layout_family(_LAYOUT_OF.get(method, method)) or "int4"
+    except KeyError:
+        return "int4"
 
 
 @dataclass

@@ -4,8 +4,9 @@ What is fastest differs between CPUs more than any rule of thumb says: on a Zen 
 GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while AMX tiles win at 512
 (measured, docs/benchmarks.md). So, once per (CPU model, threads, kernel variant), the tuner times:
 
-- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), on int4 and int8 decode and a
-  few tokens an expert;
+- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4-bit GEMVs on int4 and
+  the int16-code ones on int8, each on decode and on 8 tokens an expert apart (the engine runs a job
+  whose busiest expert has at most 4 tokens at the decode width);
 - how the GEMVs prefetch the weights they stream (non-temporal or into every cache level), on bf16,
   int8 and int4 decode (on this Xeon non-temporal took 1.4-1.5x as long; on a Zen 5 it was faster);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
@@ -42,6 +43,8 @@ from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import (
     INT_VECTOR_BITS_ENV,
     WEIGHT_PREFETCH_ENV,
+    WIDTH_FAMILIES,
+    WIDTH_REGIMES,
     engine_module,
     set_int_vector_bits,
     set_weight_prefetch,
@@ -50,7 +53,8 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-TUNING_VERSION = 9  # 9: 4-bit GEMMs on AMX take int8 digit tiles (8: VDPBF16PS for a bf16 model's GEMMs)
+# 10: the integer GEMVs' width per family and regime (9: 4-bit GEMMs on AMX take int8 digit tiles)
+TUNING_VERSION = 10
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -147,21 +151,26 @@ def tune(log=None) -> dict[str, Any]:
     try:
         layers = {m: _layer(m) for m in TUNED_METHODS}
         widths = (256, 512) if mod.selected_isa() != "avx2" else (256,)
-        bits = widths[0]
+        # Each family's width in each regime on its own: the families and regimes disagree (an AMD Zen 4:
+        # int8 decode faster at 256 bits, int8 at 8 tokens an expert and int4 throughout at 512).
+        chosen = {f: dict.fromkeys(WIDTH_REGIMES, widths[0]) for f in WIDTH_FAMILIES}
         if len(widths) > 1:
-            gemv = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("int8", "int4")}
-            total = dict.fromkeys(widths, 0.0)
-            for label, inputs in (("decode", _inputs(1)), ("8 tokens/expert", _inputs(8))):
+            gemv = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in WIDTH_FAMILIES}
+            for regime, label, inputs, reps in (
+                ("decode", "decode", _inputs(1), 15),
+                ("prompt", "8 tokens/expert", _inputs(8), 5),
+            ):
                 for m, ce in gemv.items():
-                    runs = {str(b): (lambda *a, b=b, ce=ce: (set_int_vector_bits(b), ce.forward(*a))) for b in widths}
-                    times = _best_times(runs, inputs, reps=5)
-                    for b in widths:
-                        total[b] += times[str(b)]
+                    runs = {
+                        str(b): (lambda *a, b=b, m=m, ce=ce: (set_int_vector_bits(b, m), ce.forward(*a)))
+                        for b in widths
+                    }
+                    times = _best_times(runs, inputs, reps=reps)
                     record["timings_ms"][f"{m} gemv {label}"] = {b: round(v * 1e3, 3) for b, v in times.items()}
-            bits = min(widths, key=lambda b: total[b])
-            log(f"tuned the integer GEMVs' width: {bits} bits")
-        record["int_vector_bits"] = bits
-        set_int_vector_bits(bits)
+                    chosen[m][regime] = min(widths, key=lambda b: times[str(b)])
+            log(f"tuned the integer GEMVs' widths: {chosen}")
+        record["int_vector_bits"] = chosen
+        _apply_widths(chosen)
         # How the GEMVs prefetch the rows they stream: non-temporally or into every cache level, on
         # decode steps of the three main families.
         total = {"t0": 0.0, "nta": 0.0}
@@ -253,12 +262,21 @@ def cached() -> dict[str, Any] | None:
 def apply(record: dict[str, Any]) -> None:
     """The record's GEMV width and weight prefetch, unless HETMOE_INT_VECTOR_BITS /
     HETMOE_WEIGHT_PREFETCH say otherwise."""
-    bits = record.get("int_vector_bits")
-    if bits in (256, 512) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
-        set_int_vector_bits(int(bits))
+    widths = record.get("int_vector_bits")
+    if isinstance(widths, dict) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
+        _apply_widths(widths)
     hint = record.get("weight_prefetch")
     if hint in ("t0", "nta") and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
         set_weight_prefetch(hint)
+
+
+def _apply_widths(widths: dict[str, Any]) -> None:
+    """Set each family's width in each regime that ``widths`` (a record's ``int_vector_bits``) gives."""
+    for family, regimes in widths.items():
+        if family in WIDTH_FAMILIES and isinstance(regimes, dict):
+            for regime, bits in regimes.items():
+                if regime in WIDTH_REGIMES and bits in (256, 512):
+                    set_int_vector_bits(int(bits), family, regime)
 
 
 def choices() -> dict[str, Any] | None:
