@@ -25,7 +25,9 @@ def _csv(kind: type) -> object:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: 'hetmoe bench moe' times one MoE layer's experts, 'hetmoe bench model' a whole model"
+        "bench",
+        help="benchmarks: 'hetmoe bench moe' times one MoE layer's experts, 'hetmoe bench model' a whole model, "
+        "'hetmoe bench defaults' the default configuration against the tuner's candidates",
     )
     bsub = p.add_subparsers(dest="bench", metavar="WHAT")
     m = bsub.add_parser(
@@ -58,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--plot", metavar="FILE.png", help="draw the roofline picture (needs matplotlib)")
     m.set_defaults(run=run)
     _add_model_parser(bsub)
+    _add_defaults_parser(bsub)
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
 
 
@@ -175,6 +178,43 @@ def run_arch(args: argparse.Namespace) -> int:
     print(arch_bench.format_table(result))
     if args.json:
         arch_bench.write_json(result, args.json)
+    return 0
+
+
+def _add_defaults_parser(bsub: argparse._SubParsersAction) -> None:
+    d = bsub.add_parser(
+        "defaults",
+        help="the default configuration against every configuration the tuner chooses between",
+        description=(
+            "For each method and token count, one Qwen3-30B-A3B-shaped MoE layer (128 experts of 2048 x 768, top-8, "
+            "routing drawn at random each run) runs under every candidate of the tuner's choices: the kernel variant "
+            "(AMX tiles or AVX-512, where the CPU has both), the integer GEMVs' width (256 or 512 bits), the weights' "
+            "prefetch (nta or t0) and the GEMV/GEMM switch (each count of the tuner's grid). The candidates "
+            "alternate, caches evicted before each run; the default's median is compared with the best one's. "
+            "The default is what load_model runs with: the tuned choices, measured on first use."
+        ),
+        epilog="examples:\n  hetmoe bench defaults\n"
+        "  hetmoe bench defaults --methods int4 --tokens 1,512 --reps 9 --json d.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d.add_argument("--methods", type=_csv(str), default=("bf16", "int8", "int4"), help="comma-separated methods")
+    d.add_argument("--tokens", type=_csv(int), default=DEFAULT_TOKENS, help="comma-separated token counts")
+    d.add_argument("--threads", type=int, default=0, help="engine threads (default: all usable CPUs)")
+    d.add_argument("--reps", type=int, default=5, help="runs of each configuration (default 5)")
+    d.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    d.set_defaults(run=run_defaults)
+
+
+def run_defaults(args: argparse.Namespace) -> int:
+    from ..bench import defaults
+
+    if args.reps < 1 or args.threads < 0 or any(t < 1 for t in args.tokens):
+        raise ValueError("--reps must be >= 1, --threads >= 0 and every --tokens count >= 1")
+    cfg = defaults.DefaultsConfig(methods=args.methods, tokens=args.tokens, threads=args.threads, reps=args.reps)
+    result = defaults.run_defaults(cfg, log=lambda line: print(line, file=sys.stderr))
+    print(defaults.format_table(result))
+    if args.json:
+        defaults.write_json(result, args.json)
     return 0
 
 
