@@ -7,8 +7,8 @@ what is missing, it never executes an illegal instruction.
 Within the AVX-512 variant the integer GEMVs run 256 or 512 bits wide, chosen apart for the 4-bit
 ones and the int16-code ones (int8, Q8_0): before tuning 512 on AMD (Zen 5 runs 512-bit integer ops
 at full width), 256 elsewhere (on Intel they streamed rows no faster, measured); the tuner measures
-each family (runtime/tuning.py); ``HETMOE_INT_VECTOR_BITS=256|512`` (both families) or
-:func:`set_int_vector_bits` chooses.
+each family for decode and for prompts (runtime/tuning.py); ``HETMOE_INT_VECTOR_BITS=256|512`` (all of
+them) or :func:`set_int_vector_bits` chooses.
 
 The GEMVs prefetch the weight rows they stream ahead of use, non-temporally on AMD (a row read
 once a step then stops evicting what the step reuses: measured faster on Zen 5) and with ordinary
@@ -143,6 +143,9 @@ def int_vector_widths() -> dict[str, dict[str, int]]:
     return {f: {r: int_vector_bits(f, r) for r in WIDTH_REGIMES} for f in WIDTH_FAMILIES}
 
 
+_width_families: dict[str, str | None] | None = None
+
+
 def gemv_width_family(layout: str) -> str | None:
     """The integer GEMV family of a stored layout (``"int8"``, ``"gguf:q4_k"``, ...) from its traits row:
     "int4", "int8", or None where it has no integer GEMV; a KeyError for a layout without a row."""
@@ -150,9 +153,6 @@ def gemv_width_family(layout: str) -> str | None:
     if _width_families is None:
         _width_families = {row["name"]: row["gemv_width"] or None for row in engine_module().methods()}
     return _width_families[layout]
-
-
-_width_families: dict[str, str | None] | None = None
 
 
 def set_weight_prefetch(hint: str) -> None:
