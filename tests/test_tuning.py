@@ -87,6 +87,16 @@ def test_tune_off_and_overrides(small_tuner, monkeypatch) -> None:
         assert int_vector_bits("int4", "prompt") == other
 
 
+def test_tuning_keeps_the_width_the_environment_sets(small_tuner, monkeypatch) -> None:
+    """HETMOE_INT_VECTOR_BITS outranks the measured widths for the process that tunes, too (the
+    switch points are then measured at that width)."""
+    monkeypatch.setenv("HETMOE_INT_VECTOR_BITS", "256")
+    set_int_vector_bits(256)
+    record = tuning.tune()
+    assert set(record["int_vector_bits"]) == set(WIDTH_FAMILIES)  # measured and recorded all the same
+    assert all(b == 256 for r in int_vector_widths().values() for b in r.values())
+
+
 def test_crossing_interpolates_between_the_grid_counts() -> None:
     # GEMV 1 ms a token an expert, GEMM 20 ms flat: they cross at 20 tokens, between 16 and 24
     assert tuning._crossing(16, {"gemv": 16.0, "gemm": 20.0}, 24, {"gemv": 24.0, "gemm": 20.0}) == 20

@@ -38,11 +38,10 @@ from ..kernels import select_isa, set_num_threads
 from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import engine_module, int_vector_widths, set_int_vector_bits, set_weight_prefetch
 from ..runtime.cpu_experts import CPUExperts, default_gemv_max
-from ..runtime.engine_layout import GEMV_ALL_TOKENS, gemv_width_family
+from ..runtime.engine_layout import GEMV_ALL_TOKENS, WIDE_GEMV_METHODS, gemv_width_family
 from ..runtime.tuning import EXPERTS, HIDDEN, INTERMEDIATE, TOKENS_PER_EXPERT, TOP_K, choices
 from .moe import DEFAULT_TOKENS
 
-INTEGER_METHODS = ("int8", "int4", "int4-asym", "gptq", "mxfp4")  # their GEMVs come in two widths
 BOUND = 1.10  # the issue's: the default within 10% of the best configuration
 
 
@@ -89,7 +88,8 @@ def candidates(method: str, default: Config, isas: tuple[str, ...], tokens: int)
     def effective(switch: int) -> int:
         return GEMV_ALL_TOKENS if switch >= tokens else switch
 
-    widths = (256, 512) if method in INTEGER_METHODS and default.isa != "avx2" else (default.bits,)
+    # the methods with integer GEMVs, whose width is a choice (engine_layout.WIDE_GEMV_METHODS)
+    widths = (256, 512) if method in WIDE_GEMV_METHODS and default.isa != "avx2" else (default.bits,)
     widths = (default.bits, *widths)  # the tuned widths, then each width for every regime
     switches = sorted(
         {effective(s) for s in (0, GEMV_ALL_TOKENS, *TOKENS_PER_EXPERT[1:])} - {effective(default.gemv_max)}

@@ -170,7 +170,11 @@ def tune(log=None) -> dict[str, Any]:
                     chosen[m][regime] = min(widths, key=lambda b: times[str(b)])
             log(f"tuned the integer GEMVs' widths: {chosen}")
         record["int_vector_bits"] = chosen
-        _apply_widths(chosen)
+        env_bits = os.environ.get(INT_VECTOR_BITS_ENV, "").strip()
+        if env_bits:  # the override holds for this process; the switches below are measured with it
+            set_int_vector_bits(int(env_bits))
+        else:
+            _apply_widths(chosen)
         # How the GEMVs prefetch the rows they stream: non-temporally or into every cache level, on
         # decode steps of the three main families.
         total = {"t0": 0.0, "nta": 0.0}
