@@ -35,9 +35,7 @@ def small_tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "_choices", None)
     widths = int_vector_widths()
     yield tmp_path
-    for family, regimes in widths.items():
-        for regime, bits in regimes.items():
-            set_int_vector_bits(bits, family, regime)
+    tuning.apply_widths(widths)
     set_weight_prefetch("default")
     tuning._choices = None
 

@@ -39,7 +39,7 @@ from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import engine_module, int_vector_widths, set_int_vector_bits, set_weight_prefetch
 from ..runtime.cpu_experts import CPUExperts, default_gemv_max
 from ..runtime.engine_layout import GEMV_ALL_TOKENS, WIDE_GEMV_METHODS, gemv_width_family
-from ..runtime.tuning import EXPERTS, HIDDEN, INTERMEDIATE, TOKENS_PER_EXPERT, TOP_K, choices
+from ..runtime.tuning import EXPERTS, HIDDEN, INTERMEDIATE, TOKENS_PER_EXPERT, TOP_K, apply_widths, choices
 from .moe import DEFAULT_TOKENS
 
 BOUND = 1.10  # the issue's: the default within 10% of the best configuration
@@ -112,12 +112,6 @@ def candidates(method: str, default: Config, isas: tuple[str, ...], tokens: int)
     return out
 
 
-def _set_widths(widths: dict[str, dict[str, int]]) -> None:
-    for family, regimes in widths.items():
-        for regime, bits in regimes.items():
-            set_int_vector_bits(bits, family, regime)
-
-
 def _isas() -> tuple[str, ...]:
     """The variants to compare: the selected one, and AVX-512 beside AMX tiles."""
     selected = engine_module().selected_isa()
@@ -170,7 +164,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
                         if c.bits:
                             set_int_vector_bits(c.bits, family)
                         else:
-                            _set_widths(widths)
+                            apply_widths(widths)
                         set_weight_prefetch(c.prefetch)
                         engine = engines[(c.isa, c.gemv_max)]
                         x, ids, w = _inputs(cfg, tokens, gen)
@@ -197,7 +191,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
     finally:
         torch.set_num_threads(torch_threads)
         select_isa(selected)
-        _set_widths(widths)
+        apply_widths(widths)
         set_weight_prefetch(prefetch)
     layer = f"{cfg.experts} experts of {cfg.hidden} x {cfg.intermediate}, top-{cfg.top_k}"
     return {

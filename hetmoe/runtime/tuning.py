@@ -174,7 +174,7 @@ def tune(log=None) -> dict[str, Any]:
         if env_bits:  # the override holds for this process; the switches below are measured with it
             set_int_vector_bits(int(env_bits))
         else:
-            _apply_widths(chosen)
+            apply_widths(chosen)
         # How the GEMVs prefetch the rows they stream: non-temporally or into every cache level, on
         # decode steps of the three main families.
         total = {"t0": 0.0, "nta": 0.0}
@@ -268,14 +268,16 @@ def apply(record: dict[str, Any]) -> None:
     HETMOE_WEIGHT_PREFETCH say otherwise."""
     widths = record.get("int_vector_bits")
     if isinstance(widths, dict) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
-        _apply_widths(widths)
+        apply_widths(widths)
     hint = record.get("weight_prefetch")
     if hint in ("t0", "nta") and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
         set_weight_prefetch(hint)
 
 
-def _apply_widths(widths: dict[str, Any]) -> None:
-    """Set each family's width in each regime that ``widths`` (a record's ``int_vector_bits``) gives."""
+def apply_widths(widths: dict[str, Any]) -> None:
+    """Set each family's width in each regime that ``widths`` gives (a record's ``int_vector_bits``, or
+    kernels.dispatch.int_vector_widths() taken earlier); entries naming no family, regime or width are
+    skipped (a cache file is not trusted)."""
     for family, regimes in widths.items():
         if family in WIDTH_FAMILIES and isinstance(regimes, dict):
             for regime, bits in regimes.items():
