@@ -476,20 +476,34 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
   for (int jp = 0; jp < pairs; ++jp) write_c(acc[jp], 2 * jp, J, R, T, c, ldc);
 }
 
+// A projection's code decoding and scale kind as compile-time values: with_nibble_kind(p, run) calls
+// run(NibbleCase<Decode, Kind>{}), one list of the cases for both 4-bit tile GEMMs (KQuants: whether
+// the K-quants are among them; the digit GEMM never takes them, tile_path.h: tile_digits).
+template <int D, int S>
+struct NibbleCase {
+  static constexpr int decode = D, kind = S;
+};
+template <bool KQuants, typename Run>
+void with_nibble_kind(const Proj& p, Run&& run) {
+  if (p.method == kMXFP4) return run(NibbleCase<kNibbleE2M1, kScaleE8M0>{});
+  if (p.method == kQ4_0) return run(NibbleCase<kNibbleQ4_0, kScaleF16>{});
+  if constexpr (KQuants) {
+    if (p.method == kQ4K) return run(NibbleCase<kNibbleQ4K, kScaleF16>{});
+    if (p.method == kQ5K) return run(NibbleCase<kNibbleQ5K, kScaleF16>{});
+  }
+  if (p.z) {
+    if (p.scale_kind == kScaleF16) return run(NibbleCase<kNibbleZeros, kScaleF16>{});
+    return run(NibbleCase<kNibbleZeros, kScaleBF16>{});
+  }
+  if (p.scale_kind == kScaleF16) return run(NibbleCase<kNibbleEight, kScaleF16>{});
+  return run(NibbleCase<kNibbleEight, kScaleBF16>{});
+}
+
 void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
                      const float* x_sum, float* c, int ldc) {
-#define HETMOE_NIBBLE(D, S) return gemm_nibble_t<D, S>(p, e, r0, R, x_hi, x_lo, T, x_sum, c, ldc)
-  if (p.method == kMXFP4) HETMOE_NIBBLE(kNibbleE2M1, kScaleE8M0);
-  if (p.method == kQ4_0) HETMOE_NIBBLE(kNibbleQ4_0, kScaleF16);
-  if (p.method == kQ4K) HETMOE_NIBBLE(kNibbleQ4K, kScaleF16);
-  if (p.method == kQ5K) HETMOE_NIBBLE(kNibbleQ5K, kScaleF16);
-  if (p.z) {
-    if (p.scale_kind == kScaleF16) HETMOE_NIBBLE(kNibbleZeros, kScaleF16);
-    HETMOE_NIBBLE(kNibbleZeros, kScaleBF16);
-  }
-  if (p.scale_kind == kScaleF16) HETMOE_NIBBLE(kNibbleEight, kScaleF16);
-  HETMOE_NIBBLE(kNibbleEight, kScaleBF16);
-#undef HETMOE_NIBBLE
+  with_nibble_kind<true>(p, [&](auto k) {
+    gemm_nibble_t<decltype(k)::decode, decltype(k)::kind>(p, e, r0, R, x_hi, x_lo, T, x_sum, c, ldc);
+  });
 }
 
 // ---- int8 weights (one fp32 scale a row) on TDPBSSD ----
@@ -775,16 +789,9 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
 
 void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
                      int T, float* c, int ldc) {
-#define HETMOE_DIGITS(D, S) return gemm_digits_t<D, S>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc)
-  if (p.method == kMXFP4) HETMOE_DIGITS(kNibbleE2M1, kScaleE8M0);
-  if (p.method == kQ4_0) HETMOE_DIGITS(kNibbleQ4_0, kScaleF16);
-  if (p.z) {
-    if (p.scale_kind == kScaleF16) HETMOE_DIGITS(kNibbleZeros, kScaleF16);
-    HETMOE_DIGITS(kNibbleZeros, kScaleBF16);
-  }
-  if (p.scale_kind == kScaleF16) HETMOE_DIGITS(kNibbleEight, kScaleF16);
-  HETMOE_DIGITS(kNibbleEight, kScaleBF16);
-#undef HETMOE_DIGITS
+  with_nibble_kind<false>(p, [&](auto k) {
+    gemm_digits_t<decltype(k)::decode, decltype(k)::kind>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc);
+  });
 }
 
 KernelTable make_table() {
