@@ -25,6 +25,7 @@ from ..formats import Codec, FormatError, QuantizedTensor, get_codec
 from ..formats.base import TensorSpec
 from ..formats.gguf import GGUFCodec
 from ..formats.registry import UnknownMethodError
+from ..hw import huge_pages
 from .detect import SUFFIXES
 from .errors import CheckpointError
 from .layout import MoELayout, fused_suffix
@@ -584,5 +585,13 @@ def _requantize(
         weight = source.dequantize(sub)
         fast = quantize(target, weight, name) if quantize is not None else None
         parts.append(fast if fast is not None else target.quantize(weight, name))
-    tensors = {s: torch.cat([p.tensors[s] for p in parts]) for s in parts[0].tensors}
+    tensors = {s: _stacked([p.tensors[s] for p in parts]) for s in parts[0].tensors}
     return QuantizedTensor(parts[0].method, tuple(q.shape), tensors, parts[0].params)
+
+
+def _stacked(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks of experts joined along dim 0, on huge pages (the engine streams them each step)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    out = huge_pages.empty((sum(c.shape[0] for c in chunks), *chunks[0].shape[1:]), chunks[0].dtype)
+    return torch.cat(chunks, out=out)

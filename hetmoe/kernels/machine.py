@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..hw import cpu_info
+from ..hw import cpu_info, huge_pages
 from .dispatch import engine_module
 
 BANDWIDTH_BUFFER_BYTES = 1 << 30  # larger than any last-level cache this is likely to meet
@@ -40,7 +40,8 @@ _buffer: torch.Tensor | None = None  # 1 GiB kept for the process: no page fault
 def _sample_buffer() -> torch.Tensor:
     global _buffer
     if _buffer is None:
-        _buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 8, dtype=torch.int64)
+        # on huge pages, as the weights it stands beside are (huge_pages.py)
+        _buffer = huge_pages.empty((BANDWIDTH_BUFFER_BYTES // 8,), torch.int64).fill_(1)
     return _buffer
 
 

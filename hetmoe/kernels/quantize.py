@@ -32,6 +32,7 @@ from ..formats.gptq import GPTQCodec
 from ..formats.int4 import _Int4Base
 from ..formats.int8 import Int8Codec
 from ..formats.mxfp4 import MXFP4Codec
+from ..hw import huge_pages
 from .dispatch import EngineUnavailableError, engine_module
 
 _SOURCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -141,7 +142,8 @@ class _Source:
             raise exc
 
     def out(self, *tail: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        return torch.empty(self.parts, self.n, *tail, dtype=dtype)
+        # the experts a decode step streams: on huge pages, as a model file's are (huge_pages.py)
+        return huge_pages.empty((self.parts, self.n, *tail), dtype)
 
     def logical(self, t: torch.Tensor) -> torch.Tensor:
         """An output ``[parts, N, ...]`` in the weight's own leading dims."""

@@ -1,0 +1,98 @@
+"""Weights the process builds go on memory marked for transparent huge pages (kernels/huge_pages.py)."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+
+import pytest
+import torch
+
+from hetmoe.formats import get_codec
+from hetmoe.hw import huge_pages
+from hetmoe.kernels.quantize import engine_quantize
+
+linux_thp = pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"), reason="Linux THP only"
+)
+
+
+def _vma_flags(addr: int) -> list[str] | None:
+    """The VmFlags of the mapping holding ``addr`` in /proc/self/smaps, None where none does."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+@linux_thp
+def test_a_large_tensor_starts_on_a_huge_page_marked_for_thp(monkeypatch):
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    t = huge_pages.empty((3, 1 << 20), torch.int16)  # 6 MiB: three whole huge pages
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.int16 and t.is_contiguous()
+    assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert "hg" in _vma_flags(t.data_ptr())  # MADV_HUGEPAGE's VM_HUGEPAGE
+    t.copy_(torch.arange(3 << 20, dtype=torch.int32).view(3, 1 << 20).to(torch.int16))
+    assert torch.equal(t.flatten()[-4:], torch.arange((3 << 20) - 4, 3 << 20, dtype=torch.int32).to(torch.int16))
+
+
+@linux_thp
+def test_the_mapping_goes_with_the_last_view(monkeypatch):
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    t = huge_pages.empty((4 << 20,), torch.uint8)
+    addr = t.data_ptr()
+    view = t[1 << 20 :]
+    del t
+    gc.collect()
+    assert _vma_flags(addr) is not None  # the view still holds it
+    del view
+    gc.collect()
+    assert _vma_flags(addr) is None or "hg" not in _vma_flags(addr)  # unmapped (the address may be reused)
+
+
+def test_small_tensors_and_the_opt_out_are_plain_torch(monkeypatch):
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    small = torch.arange(1000, dtype=torch.float32)
+    assert huge_pages.copy_to_huge_pages(small) is small
+    monkeypatch.setenv("HETMOE_HUGE_PAGES", "0")
+    big = torch.ones(1 << 20, dtype=torch.float32)
+    assert huge_pages.copy_to_huge_pages(big) is big
+    assert not huge_pages.huge_pages_wanted()
+
+
+@linux_thp
+def test_copy_keeps_every_byte(monkeypatch):
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    src = torch.randint(-(2**15), 2**15, (5, 700_001), dtype=torch.int32)  # not a whole number of pages
+    out = huge_pages.copy_to_huge_pages(src)
+    assert out.data_ptr() != src.data_ptr() and out.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert torch.equal(out, src)
+
+
+@linux_thp
+def test_experts_quantized_at_load_land_on_huge_pages(monkeypatch):
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    w = (torch.randn(8, 512, 1024) * 0.02).bfloat16()  # int4 codes 8 x 512 x 512 bytes = 2 MiB
+    q = engine_quantize(get_codec("int4", group_size=32), w, "experts.w1")
+    if q is None:
+        pytest.skip("the engine's quantizer is not available on this CPU")
+    codes = q.tensors[".weight"]
+    assert codes.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(codes.data_ptr())
+
+
+@linux_thp
+def test_experts_requantized_in_chunks_are_joined_on_huge_pages(monkeypatch):
+    from hetmoe.checkpoint.experts import _stacked
+
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    chunks = [torch.randint(0, 256, (n, 512, 1024), dtype=torch.uint8) for n in (3, 3, 2)]
+    joined = _stacked(chunks)
+    assert torch.equal(joined, torch.cat(chunks))
+    assert joined.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(joined.data_ptr())
