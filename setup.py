@@ -33,6 +33,8 @@ ISA_SOURCES = {
     # do (csrc/quantize.h), so no multiply-add is fused
     "quantize_rows.cpp": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
     "quantize_rows_avx512.cpp": [*_AVX512, "-ffp-contract=off"],
+    # the GGUF row decoders (embedding lookups): baseline x86-64, rounding where formats/gguf's do
+    "gguf_rows.cpp": ["-ffp-contract=off"],
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": _AVX512,
     "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512bf16", *_AVX512],

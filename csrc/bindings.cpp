@@ -14,6 +14,7 @@
 #include "decode_step.h"
 #include "delta_rule.h"
 #include "engine_common.h"
+#include "gguf_rows.h"
 #include "kernels.h"
 #include "linear_engine.h"
 #include "measure.h"
@@ -398,6 +399,20 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group") = 0, py::arg("asym") = false, py::arg("min_zero") = 0, py::arg("f16_scales") = false, py::arg("out0") = 0,
       py::arg("out1") = 0, py::arg("out2") = 0, py::arg("scale_parts") = std::vector<uintptr_t>(),
       py::arg("scale_block_rows") = 1, py::arg("scale_block_cols") = 1, py::arg("scale_row_stride") = 0);
+  m.def("gguf_row_kinds", &gguf_row_kinds, "The GGUF block types gguf_rows decodes, lower-case ggml names.");
+  m.def(
+      "gguf_rows",
+      [](const std::string& kind, uintptr_t table, int64_t row_bytes, int64_t rows, uintptr_t ids, int64_t n,
+         int64_t k, uintptr_t out) {
+        // Checked in Python (hetmoe/runtime/stored_embedding.py): table uint8 [rows, row_bytes] contiguous,
+        // ids int64 [n] contiguous, out fp32 [n, k] contiguous. Returns -1 or the position of the
+        // first id outside the table.
+        py::gil_scoped_release release;
+        return gguf_rows(kind, reinterpret_cast<const uint8_t*>(table), row_bytes, rows,
+                         reinterpret_cast<const int64_t*>(ids), n, k, reinterpret_cast<float*>(out));
+      },
+      py::arg("kind"), py::arg("table"), py::arg("row_bytes"), py::arg("rows"), py::arg("ids"), py::arg("n"),
+      py::arg("k"), py::arg("out"));
   m.def("quantize_gguf_kinds", &gguf_quantize_kinds,
         "The GGUF block types quantize_weights writes, lower-case ggml names (csrc/quantize.cpp's table).");
   m.def(
