@@ -50,6 +50,7 @@ from .fused_norms import _DTYPES, norm_rows, norm_spec
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
 from .mla_decode import mla_layer_eligible, mla_parts, one_token_mla
+from .rotary_table import rotary_at
 
 QK_NORMS = {"none": 0, "head": 1, "projection": 2}  # csrc/decode_step.h QKNorm
 
@@ -224,18 +225,20 @@ def _one_token_model(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     one query over a full, unpadded cache sees every key)."""
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
-    if position_ids is None:
-        position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
-    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    position = cache.get_seq_length() if position_ids is None else int(position_ids)  # _causal_fast: [1, 1]
+    position_embeddings = rotary_at(inner.rotary_emb, hidden, position)
     # What _takes_fast_path checks per layer, checked once for all (_causal_fast saw the cache's layers)
     direct = inner.config._attn_implementation in ATTENTION_NAMES and not (
         hidden.requires_grad and torch.is_grad_enabled()
     )
-    for layer in inner.layers[: inner.config.num_hidden_layers]:
+    # the layers as a list: slicing the ModuleList would build a new ModuleList every step
+    for layer in list(inner.layers._modules.values())[: inner.config.num_hidden_layers]:
         out = None
         if direct and not layer.training and _fast_installed(layer) and _parts_unhooked(layer):
             out = _one_token(layer, hidden, cache, position_embeddings)
         if out is None:
+            if position_ids is None:
+                position_ids = torch.tensor([[position]], device=hidden.device)
             out = layer(hidden, position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
         hidden = out
     hidden = inner.norm(hidden)
