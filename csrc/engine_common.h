@@ -164,11 +164,14 @@ inline Bf16Rows bf16_rows(const KernelTable* kt, const Proj& p, int e, int n0, i
                           std::vector<uint16_t>& b16) {
   if (p.method == kBF16)
     return {reinterpret_cast<const uint16_t*>(p.w + e * p.w_estride + int64_t(n0) * p.w_rstride), p.w_rstride / 2};
-  const size_t n = size_t(n1 - n0) * p.k;
-  float* panel = sized(f32, size_t(kPanelRows) * p.k);
+  // A row at a time, so its fp32 values are rounded to bf16 while they are still in L1 (a whole
+  // panel's fp32 rows, 24 x K, went out to L2 and came back).
+  float* row = sized(f32, size_t(p.k));
   uint16_t* rows = sized(b16, size_t(kPanelRows) * p.k);
-  kt->dequant_rows[p.method](p, e, n0, n1, panel);
-  kt->f32_to_bf16(panel, rows, static_cast<int>(n));
+  for (int n = n0; n < n1; ++n) {
+    kt->dequant_rows[p.method](p, e, n, n + 1, row);
+    kt->f32_to_bf16(row, rows + size_t(n - n0) * p.k, p.k);
+  }
   return {rows, p.k};
 }
 
