@@ -4,8 +4,9 @@ A GGUF stores the token embedding quantized like everything else (Q4_0, Q4_K, Q6
 into the model's dtype it would be a full-precision copy of the table: 0.6 GB in bf16 for
 Qwen3-30B-A3B's 151,936 x 2048, 1.9 GB for DeepSeek-V3's 129,280 x 7168, resident for the life of
 the process although a forward reads a handful of rows. This module keeps the stored bytes (a view
-of the memory-mapped file) and decodes the looked-up rows with the same block decoder the loader
-would have used on the whole table, so its output is bit-identical to that table's rows.
+of the memory-mapped file) and decodes the looked-up rows only: with the engine's scalar row
+decoders for the common types (csrc/gguf_rows.cpp), else with the block decoder the loader would
+have used on the whole table (formats/gguf); both give that table's rows bit for bit.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class StoredEmbedding(nn.Module):
         self.ggml_type = codec.ggml_type
         self.method = stored.method
         self.dtype = dtype
+        kind = codec.ggml_type.name.lower()
+        self._engine_kind = kind if kind in _engine_row_kinds() else None  # None: formats/gguf decodes
         self.register_buffer("blocks", stored.tensors[SUFFIX], persistent=False)
 
     @property
@@ -63,8 +66,8 @@ class StoredEmbedding(nn.Module):
         """The looked-up rows decoded by the engine's scalar decoders (csrc/gguf_rows.cpp: the same
         float32 expressions in the same order as formats/gguf's, ~50x faster on a decode step's one
         row); None where it has none for this type, or the table or ids are not on the CPU."""
-        kind = self.ggml_type.name.lower()
-        if kind not in _engine_row_kinds() or self.blocks.device.type != "cpu" or flat.device.type != "cpu":
+        kind = self._engine_kind
+        if kind is None or self.blocks.device.type != "cpu" or flat.device.type != "cpu":
             return None
         blocks = self.blocks if self.blocks.is_contiguous() else self.blocks.contiguous()
         ids = flat.to(torch.int64).contiguous()
