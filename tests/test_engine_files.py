@@ -86,6 +86,7 @@ PEAK_SCRIPT = textwrap.dedent(
     from hetmoe.checkpoint.config import read_config
     from hetmoe.checkpoint.experts import read_layer_experts
     from hetmoe.checkpoint.layout import moe_layout
+    from hetmoe.models.loader import release_freed_memory
     from hetmoe.runtime import CPUExperts
 
     def rss():
@@ -106,7 +107,9 @@ PEAK_SCRIPT = textwrap.dedent(
     layers = []
     for layer in layout.moe_layers:
         le = read_layer_experts(source, layout, layer)
+        release_freed_memory()  # where load_model hands the heap's freed temporaries back
         layers.append(CPUExperts(le.gate, le.up, le.down, verbose=False))
+        release_freed_memory()
         x = torch.randn(8, layout.hidden_size)
         ids = torch.randint(0, layout.num_experts, (8, 2))
         layers[-1].forward(x, ids, torch.rand(8, 2))  # touch the weights

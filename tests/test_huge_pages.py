@@ -96,3 +96,44 @@ def test_experts_requantized_in_chunks_are_joined_on_huge_pages(monkeypatch):
     joined = _stacked(chunks)
     assert torch.equal(joined, torch.cat(chunks))
     assert joined.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(joined.data_ptr())
+
+
+@linux_thp
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_a_directorys_per_expert_tensors_are_stacked_onto_huge_pages(monkeypatch, tmp_path, stored):
+    """A checkpoint that stores each expert's matrices apart (Qwen3-MoE, DeepSeek, Mixtral, GLM in
+    their Hugging Face form) is stacked into one copy at load: that copy is what every decode step
+    reads, on huge pages, with the values the files hold (fp16 converted to bf16 as torch rounds)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hetmoe.checkpoint import open_source
+    from hetmoe.checkpoint.config import read_config
+    from hetmoe.checkpoint.experts import read_layer_experts
+    from hetmoe.checkpoint.layout import moe_layout
+
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    experts, hidden, inter = 8, 512, 1024  # 8 MiB a projection in bf16: four whole huge pages
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+        "moe_intermediate_size": inter, "intermediate_size": 2048, "num_experts": experts,
+        "num_experts_per_tok": 2, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 128, "vocab_size": 256,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    state = {
+        f"model.layers.0.mlp.experts.{e}.{proj}.weight": torch.randn(shape, generator=g).to(stored)
+        for e in range(experts)
+        for proj, shape in shapes.items()
+    }
+    save_file(state, tmp_path / "model.safetensors")
+    source = open_source(tmp_path)
+    layer = read_layer_experts(source, moe_layout(read_config(tmp_path), source), 0)
+    for name, q in (("gate_proj", layer.gate), ("up_proj", layer.up), ("down_proj", layer.down)):
+        w = q.tensors[".weight"]
+        want = torch.stack([state[f"model.layers.0.mlp.experts.{e}.{name}.weight"] for e in range(experts)])
+        assert w.dtype == torch.bfloat16 and torch.equal(w, want.to(torch.bfloat16)), name
+        assert w.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(w.data_ptr()), name

@@ -275,15 +275,25 @@ def _stack(
     for index, spec in enumerate(specs):
         keys = [layout.key(layer, template, spec.suffix, e) for e in range(n_exp)]
         _check_stack_infos(source, layout, keys, codec, spec if index == 0 else None)
-        stacked = torch.stack([source.get(k) for k in keys])
+        first = source.get(keys[0])
+        dtype = first.dtype
+        if full_precision and dtype != torch.bfloat16:
+            dtype = torch.bfloat16  # fp16/fp32 experts: bf16 is the full-precision form
+        elif spec.dtype == torch.int64 and dtype != torch.int64 and not first.is_floating_point():
+            dtype = torch.int64  # weight_shape is written int32 by some tools
+        # One copy, converted as it goes, on the huge pages a decode step streams best (hw/huge_pages.py)
+        stacked = huge_pages.empty((n_exp, *first.shape), dtype)
+        parts = [first, *(source.get(k) for k in keys[1:])]
+        if dtype == first.dtype:
+            torch.stack(parts, out=stacked)
+        else:
+            for row, part in zip(stacked, parts, strict=True):
+                row.copy_(part)
+        del first, parts
         # The stack is a copy: drop the mapped pages it was read from, so memory holds each expert once.
         if hasattr(source, "release"):
             for k in keys:
                 source.release(k)
-        if full_precision and stacked.dtype != torch.bfloat16:
-            stacked = stacked.to(torch.bfloat16)  # fp16/fp32 experts: bf16 is the full-precision form
-        elif spec.dtype == torch.int64 and stacked.dtype != torch.int64 and not stacked.is_floating_point():
-            stacked = stacked.to(torch.int64)  # weight_shape is written int32 by some tools
         tensors[spec.suffix] = stacked
     stored = {layout.scheme.stored_suffix(s.suffix) for s in specs}
     extras = ((layout.key(layer, template, "", e), s) for e in range(n_exp) for s in SUFFIXES if s not in stored)
@@ -351,7 +361,7 @@ def _read_whole(
     if layout.scheme.method == "bf16" and tensors[main.suffix].dtype != torch.bfloat16:
         if not _is_float(info.dtype):
             raise CheckpointError(info.file, f"tensor {keys[main.suffix]}: expected a float dtype, found {info.dtype}")
-        tensors[main.suffix] = tensors[main.suffix].to(torch.bfloat16)
+        tensors[main.suffix] = huge_pages.copy_to_huge_pages(tensors[main.suffix], torch.bfloat16)
     q = _packaged(codec, tuple(shape), tensors)
     _validate(codec, q, layout.layer_prefix(layer) + template, info.file)
     return q, info.file
@@ -437,7 +447,7 @@ def _full_precision(source: TensorSource, key: str, shape: tuple[int, ...], layo
     t = source.get(key)
     if not bool(torch.isfinite(t).all()):
         raise CheckpointError(info.file, f"tensor {key}: expected finite values, found NaN/Inf")
-    return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+    return t if t.dtype == torch.bfloat16 else huge_pages.copy_to_huge_pages(t, torch.bfloat16)
 
 
 def _bf16(t: torch.Tensor) -> QuantizedTensor:
@@ -467,9 +477,10 @@ def _read_gpt_oss(source: TensorSource, layout: MoELayout, layer: int) -> LayerE
         # [E, H, 2I] with gate at even columns: de-interleave, then transpose to the codecs' [E, N, K].
         gate_up = _full_precision(source, lp + layout.gate, (e, h, 2 * i), layout)
         down = _full_precision(source, lp + layout.down, (e, i, h), layout)
-        gate = _bf16(gate_up[:, :, 0::2].transpose(1, 2).contiguous())
-        up = _bf16(gate_up[:, :, 1::2].transpose(1, 2).contiguous())
-        down_q = _bf16(down.transpose(1, 2).contiguous())
+        # copies the engine streams each step: on huge pages (hw/huge_pages.py)
+        gate = _bf16(huge_pages.copy_to_huge_pages(gate_up[:, :, 0::2].transpose(1, 2)))
+        up = _bf16(huge_pages.copy_to_huge_pages(gate_up[:, :, 1::2].transpose(1, 2)))
+        down_q = _bf16(huge_pages.copy_to_huge_pages(down.transpose(1, 2)))
     else:
         # Quantized gpt-oss (mxfp4) is stored [out, in]: gate/up interleaved along the 2I rows.
         codec = layout.scheme.codec()
