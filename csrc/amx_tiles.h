@@ -27,7 +27,11 @@ struct alignas(64) TileConfig {
 
 #ifndef HETMOE_AMX_EMULATED
 
-inline void tile_configure(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
+// Not _tile_loadconfig: GCC 12's declares its memory operand as one pointer ("m"(*(const void**)p)),
+// so the optimizer may drop the stores of rows and colsb before LDTILECFG as dead. It did in
+// amx_gemm_i8, leaving tiles of 0 rows, and TILEZERO faulted (#UD, SIGILL) on a Xeon with AMX. Here
+// the operand is the whole 64-byte configuration.
+inline void tile_configure(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
 inline void tile_release() { _tile_release(); }
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
