@@ -59,6 +59,12 @@ def devices() -> list:
     return ["cpu", pytest.param("cuda", marks=(pytest.mark.cuda, no_gpu))]
 
 
+def vector_isa() -> str:
+    """The engine's widest vector variant here, AVX-512 where the CPU has it, else AVX2: one arithmetic
+    for prompts and decode alike (its GEMMs give each row what its GEMVs give, in another order)."""
+    return "avx512" if engine_isas(("avx512",)) else "avx2"
+
+
 @pytest.fixture
 def keep_isa():
     """Puts back the variant selected before the test (HETMOE_ISA's, or the best): a test that selects
@@ -69,3 +75,15 @@ def keep_isa():
     before = selected_isa()
     yield
     select_isa(before)
+
+
+@pytest.fixture
+def vector_arithmetic(keep_isa: None) -> None:
+    """Selects vector_isa() for a test whose bound or equality assumes one arithmetic for any number
+    of tokens. On AMX a prompt's rows run on tiles in another arithmetic (bf16 splits, int8 digits of
+    a row-wide grid: kernels_amx.cpp), whose own bounds tests/test_amx.py and tests/test_engine.py
+    hold; a test that compares a path against itself at another token count, or a seeded sample,
+    would otherwise compare the two arithmetics."""
+    from hetmoe.kernels import select_isa
+
+    select_isa(vector_isa())

@@ -142,6 +142,7 @@ def test_one_token_engine_paths_are_bit_identical(tiny_cache, monkeypatch, path:
         assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("vector_arithmetic")  # transformers' forward runs lm_head on every prompt row
 def test_model_forward_is_fast_and_bit_identical_in_generate(tiny_cache) -> None:
     """The causal LM's one-token forward (no transformers model glue) gives generate the same tokens
     and the same scores as transformers' forward."""
@@ -267,6 +268,7 @@ def _unfuse_qkv(layers: list) -> None:
             setattr(attn, name, CPULinear(w[rows], None if bias is None else bias[rows], method, **kind))
 
 
+@pytest.mark.usefixtures("vector_arithmetic")  # the reference's prompt rows and ours, one arithmetic
 @pytest.mark.parametrize(
     ("dtype", "separate"), [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)]
 )

