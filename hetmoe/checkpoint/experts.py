@@ -283,13 +283,9 @@ def _stack(
             dtype = torch.int64  # weight_shape is written int32 by some tools
         # One copy, converted as it goes, on the huge pages a decode step streams best (hw/huge_pages.py)
         stacked = huge_pages.empty((n_exp, *first.shape), dtype)
-        parts = [first, *(source.get(k) for k in keys[1:])]
-        if dtype == first.dtype:
-            torch.stack(parts, out=stacked)
-        else:
-            for row, part in zip(stacked, parts, strict=True):
-                row.copy_(part)
-        del first, parts
+        for row, part in zip(stacked, (first, *map(source.get, keys[1:])), strict=True):
+            row.copy_(part)
+        del first
         # The stack is a copy: drop the mapped pages it was read from, so memory holds each expert once.
         if hasattr(source, "release"):
             for k in keys:

@@ -1,24 +1,24 @@
 """Expert weights the process builds itself, on 2 MiB pages.
 
 A decode step streams each active expert's bytes once, a few MiB per expert chosen at random from
-hundreds of MB to hundreds of GB of weights. On 4 KiB pages every 4 KiB of those bytes needs its
-own TLB entry and, where the page tables have left the caches, a page walk from DRAM; on 2 MiB
-pages one walk covers 512 times as much. A model file read back from disk is mapped that way
-already: the page cache holds it in large folios, which the kernel maps 2 MiB at a time (measured:
-94% of a 1.4 GB GGUF, `FilePmdMapped`; a file just written by `cp`, 0%). Weights the process makes
-(quantized or re-quantized at load; a checkpoint directory's per-expert matrices stacked into one
-copy per projection, gpt-oss's bf16 experts transposed; the benchmarks' and the tuner's random
-layers) land on 4 KiB
-pages unless the kernel's transparent huge pages are `always`; most distributions ship `madvise`,
-so they are asked for here: private anonymous memory, a 2 MiB-aligned start, MADV_HUGEPAGE before
-any page is touched. Measured on a Zen 4 (2 threads), a 16-layer Qwen3-30B-A3B-shaped model from a
-Q4_0 GGUF re-quantized to int4 at load decodes 47.8 tokens/s on huge pages against 45.4 on 4 KiB
-pages (the file itself: 44.3 mapped 2 MiB at a time against 42.1 for a fresh copy of it); from
-bf16 directories, stacked on huge pages against 4 KiB pages, a 4-layer Qwen3-30B-A3B-shaped model
-51.9-53.5 against 49.8-52.2 tokens/s and a 2-layer Mixtral-8x7B-shaped one 15.2-15.8 against
-14.6-14.9. The price on that VM is at load: memory the guest has not touched lately costs ~0.6 s a
-GB more as 2 MiB pages (the 4-layer model's load 3.2 -> 6.5 s), where 4 KiB pages come from the
-recently freed; pages freed and reused cost less than 4 KiB ones (0.09 against 0.23 s a GiB).
+hundreds of MB to hundreds of GB of weights. On 4 KiB pages every 4 KiB of those bytes needs its own
+TLB entry and, where the page tables have left the caches, a page walk from DRAM; on 2 MiB pages one
+walk covers 512 times as much. A model file read back from disk is mapped that way already: the page
+cache holds it in large folios, which the kernel maps 2 MiB at a time (measured: 94% of a 1.4 GB
+GGUF, `FilePmdMapped`; a file just written by `cp`, 0%). Weights the process makes (quantized or
+re-quantized at load; a checkpoint directory's per-expert matrices stacked into one copy per
+projection, gpt-oss's bf16 experts transposed; the benchmarks' and the tuner's random layers) land
+on 4 KiB pages unless the kernel's transparent huge pages are `always`; most distributions ship
+`madvise`, so they are asked for here: private anonymous memory, a 2 MiB-aligned start,
+MADV_HUGEPAGE before any page is touched. Measured on a Zen 4 (2 threads), a 16-layer
+Qwen3-30B-A3B-shaped model from a Q4_0 GGUF re-quantized to int4 at load decodes 47.8 tokens/s on
+huge pages against 45.4 on 4 KiB pages (the file itself: 44.3 mapped 2 MiB at a time against 42.1
+for a fresh copy of it); from bf16 directories, stacked on huge pages against 4 KiB pages, a 4-layer
+Qwen3-30B-A3B-shaped model 51.9-53.5 against 49.8-52.2 tokens/s and a 2-layer Mixtral-8x7B-shaped
+one 15.2-15.8 against 14.6-14.9. The price on that VM is at load: memory the guest has not touched
+lately costs ~0.6 s a GB more as 2 MiB pages (the 4-layer model's load 3.2 -> 6.5 s), where 4 KiB
+pages come from the recently freed; pages freed and reused cost less than 4 KiB ones (0.09 against
+0.23 s a GiB).
 
 Where the kernel cannot (no THP, not Linux, `never`), or `HETMOE_HUGE_PAGES=0`, or the tensor is
 smaller than a huge page, this is plain `torch.empty`: the same bytes on small pages.
