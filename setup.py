@@ -37,9 +37,9 @@ ISA_SOURCES = {
     "gguf_rows.cpp": ["-ffp-contract=off"],
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": _AVX512,
-    "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512bf16", *_AVX512],
+    "kernels_amx.cpp": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512bf16", "-mavx512vbmi", *_AVX512],
     # kernels_amx.cpp again with its tile operations emulated: no AMX instruction in it
-    "kernels_amx_emu.cpp": ["-mavx512bf16", *_AVX512],
+    "kernels_amx_emu.cpp": ["-mavx512bf16", "-mavx512vbmi", *_AVX512],
 }
 
 

@@ -48,9 +48,9 @@ const KernelTable* table_for(const std::string& isa) {
       throw py::value_error("HETMOE_ISA=amx: this CPU lacks AMX-TILE/INT8/BF16, or the OS did not grant tile data");
     return amx_kernels();
   }
-  if (isa == "amx-emu") {  // the AMX kernels on emulated tiles: for tests, any AVX-512 CPU with BF16
-    if (!f.can_avx512() || !f.avx512bf16)
-      throw py::value_error("HETMOE_ISA=amx-emu: the tile emulator runs the AMX unit's AVX-512 (and AVX512-BF16) code; "
+  if (isa == "amx-emu") {  // the AMX kernels on emulated tiles: for tests, any AVX-512 CPU with BF16 and VBMI
+    if (!f.can_amx_vector())
+      throw py::value_error("HETMOE_ISA=amx-emu: the tile emulator runs the AMX unit's AVX-512 (with BF16 and VBMI) code; "
                             "this CPU lacks it");
     return amx_emu_kernels();
   }
@@ -142,12 +142,12 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["avx2"] = f.avx2, d["fma"] = f.fma, d["f16c"] = f.f16c;
     d["avx512f"] = f.avx512f, d["avx512bw"] = f.avx512bw, d["avx512vl"] = f.avx512vl;
-    d["avx512_vnni"] = f.avx512vnni, d["avx512_bf16"] = f.avx512bf16;
+    d["avx512_vnni"] = f.avx512vnni, d["avx512_bf16"] = f.avx512bf16, d["avx512_vbmi"] = f.avx512vbmi;
     d["amx_tile"] = f.amx_tile, d["amx_int8"] = f.amx_int8, d["amx_bf16"] = f.amx_bf16;
     d["os_ymm"] = f.os_ymm, d["os_zmm"] = f.os_zmm, d["os_amx"] = f.os_amx;
     d["amd"] = f.amd;
     d["can_avx2"] = f.can_avx2(), d["can_avx512"] = f.can_avx512(), d["can_amx"] = f.can_amx();
-    d["can_amx-emu"] = f.can_avx512() && f.avx512bf16;
+    d["can_amx-emu"] = f.can_amx_vector();
     return d;
   });
   m.def(

@@ -52,6 +52,7 @@ CpuFeatures detect() {
     f.avx512f = b & (1u << 16);
     f.avx512bw = b & (1u << 30);
     f.avx512vl = b & (1u << 31);
+    f.avx512vbmi = c & (1u << 1);
     f.avx512vnni = c & (1u << 11);
     f.amx_bf16 = d & (1u << 22);
     f.amx_tile = d & (1u << 24);

@@ -665,33 +665,69 @@ inline void digit_row_scales(const uint8_t* row, const uint8_t* s, int G, float*
   for (; g < G; ++g) sc[g] = nibble_scale<Kind>(s, g);
 }
 
-// 32 int16 q words of two 32-weight blocks (qa: k 0-31, qb: k 32-63) as their 64 low bytes (lo digits)
-// and 64 high bytes of q + 128 (hi digits), in k order: the saturating packs keep words' bytes exact
-// ((q & 255) in [0, 255]; (q + 128) >> 8 in [-128, 127]) and interleave 128-bit lanes, which VPERMQ undoes.
-inline void store_digits(__m512i qa, __m512i qb, int8_t* hi, int8_t* lo) {
-  const __m512i lanes = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), byte = _mm512_set1_epi16(0xFF);
-  const __m512i half = _mm512_set1_epi16(128);
-  const __m512i l = _mm512_packus_epi16(_mm512_and_si512(qa, byte), _mm512_and_si512(qb, byte));
-  const __m512i h = _mm512_packs_epi16(_mm512_srai_epi16(_mm512_add_epi16(qa, half), 8),
-                                       _mm512_srai_epi16(_mm512_add_epi16(qb, half), 8));
-  _mm512_storeu_si512(lo, _mm512_permutexvar_epi64(lanes, l));
-  _mm512_storeu_si512(hi, _mm512_permutexvar_epi64(lanes, h));
+// A 64-weight step's codes as byte indices into its step table (digit_step_table): 2 code + 32 h for
+// the code of k + 32 h + i at byte i of half h, in k order. VPMULTISHIFTQB picks 8 bits of a qword
+// from any bit offset, so one instruction moves each nibble to bits 1-4 of its byte (offset 4n - 1
+// for the nibble n bits up; offset -1 wraps to bit 63, zero or a neighbour nibble's bit, masked off).
+// Interleaved (int4, mxfp4): byte i holds k 2i (low nibble) and 2i + 1 (high); 4 bytes a qword
+// (VPMOVZXDQ) give its 8 indices. Halves (Q4_0): a block's 16 bytes hold k 0-15 (low nibbles) and
+// 16-31 (high), so each block fills two 128-bit lanes, low nibbles picked in the first, high in the second.
+template <bool Halves>
+inline __m512i digit_step_index(const uint8_t* codes, const uint8_t* codes_b) {
+  // a qword's 8 bit offsets, byte 0 first: 4 interleaved bytes (63, 3, 7, ..., 27); 8 bytes' low
+  // nibbles (63, 7, 15, ..., 55) or high nibbles (3, 11, ..., 59)
+  const long long interleaved = 0x1B17130F0B07033F, low = 0x372F271F170F073F, high = 0x3B332B231B130B03;
+  __m512i x, ctrl;
+  if constexpr (Halves) {
+    x = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    x = _mm512_mask_broadcast_i32x4(x, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_b)));
+    ctrl = _mm512_set_epi64(high, high, low, low, high, high, low, low);
+  } else {
+    x = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    ctrl = _mm512_set1_epi64(interleaved);
+  }
+  const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi8(32), 1);
+  // (bits & 0x1E) | 32 h
+  return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(ctrl, x), _mm512_set1_epi8(0x1E), half, 0xEA);
+}
+
+// The 32 int16 words q = VPMULHRSW(table value, b_g) of a 64-weight step's 16 codes in each half (words
+// 0-15: the group of k, 16-31: the group of k + 32; at groups of 64 or more the same one twice) as
+// (q + 128) ^ 0x80: its low byte is q & 255 (adding 128 flips bit 7 and carries into the high byte),
+// the lo digit; its high byte is (q + 128) >> 8, the hi digit. base: the table values of the 16 codes
+// in each half; bb: b_g in both words of a dword, for each group.
+inline __m512i digit_step_table(__m512i base, const int32_t* bb, int g0, int g1) {
+  const __m512i b = _mm512_mask_set1_epi32(_mm512_set1_epi32(bb[g0]), 0xFF00, bb[g1]);
+  return _mm512_xor_si512(_mm512_add_epi16(_mm512_mulhrs_epi16(base, b), _mm512_set1_epi16(128)),
+                          _mm512_set1_epi16(0x80));
 }
 
 // Rows [r0, r0 + rows) of expert e as digits: a_hi/a_lo[r * K + k] (zero rows past R) and unit[r] = U.
 // A row with a NaN or infinite scale (which the loaders refuse: formats/base.py) gets a NaN unit and zero digits.
+// Each 64-weight step computes its 32 codes' q once (a table of 2 x 16 words, digit_step_table) rather
+// than each weight's, and two VPERMB look up every weight's lo and hi digits in it. (perf on the int4
+// layer at 512 tokens: the per-weight VPMULHRSW, packs and lane fixes were half of the kernel's samples;
+// decoding a step of all 32 rows at a time, each one ahead of the tiles that read it, was measured no
+// faster, even with the rows padded off K's power-of-two stride.)
 template <int Decode, int Kind>
 void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
   const int K = p.k;
   const int step = Decode == kNibbleQ4_0 ? 32 : p.group, G = (K + step - 1) / step;
-  const int gshift = __builtin_ctz(unsigned(step));  // groups: powers of two (bindings.cpp)
+  const int gshift = __builtin_ctz(unsigned(step));  // groups: 32 times powers of two (bindings.cpp)
   const __m512i table = digit_table<Decode>();
+  // word i of a step's base: code i & 15's table value (kNibbleZeros: index code + 16 - zero, per half)
+  const __m512i codes16 = _mm512_and_si512(
+      _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                       7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi16(15));
+  const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
   const int64_t row_bytes = Decode == kNibbleQ4_0 ? int64_t(K / 32) * 18 : K / 2;
   thread_local std::vector<float> sc;
-  thread_local std::vector<int16_t> b;
-  if (sc.size() < size_t(G)) {
-    sc.resize(G);
-    b.resize(G);
+  thread_local std::vector<int32_t> bb, zz;  // b_g (kNibbleZeros: 16 - zero_g) in both words of a dword
+  if (sc.size() < size_t(G) + 16) {
+    sc.resize(G + 16);
+    bb.resize(G + 16);
+    zz.resize(G + 16);
   }
   for (int r = 0; r < rows; ++r) {
     int8_t* hi = a_hi + int64_t(r) * K;
@@ -724,24 +760,25 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
     for (int g = 0; g < G; g += 16) {  // |b_g| <= 32639; rounded to nearest even as lrintf would
       const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
       const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.data() + g), inv));
-      _mm256_mask_storeu_epi16(b.data() + g, m, _mm512_cvtepi32_epi16(v));
-    }
-    // the digits, 64 weights (two blocks of 32 codes) at a time
-    for (int k = 0; k < K; k += 64) {
-      __m512i q[2];
-      for (int h = 0; h < 2; ++h) {
-        const int kk = k + 32 * h;
-        __m512i idx;
-        if constexpr (Decode == kNibbleQ4_0) {
-          idx = nibble_index<true>(row + int64_t(kk / 32) * 18 + 2);
-        } else {
-          idx = nibble_index<false>(row + kk / 2);
-          if constexpr (Decode == kNibbleZeros)
-            idx = _mm512_add_epi16(idx, _mm512_set1_epi16(int16_t(16 - z[kk >> gshift])));
-        }
-        q[h] = _mm512_mulhrs_epi16(_mm512_permutexvar_epi16(idx, table), _mm512_set1_epi16(b[kk >> gshift]));
+      const __m512i word = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
+      _mm512_mask_storeu_epi32(bb.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(word, 16), word));
+      if constexpr (Decode == kNibbleZeros) {
+        const __m512i off = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, z + g)));
+        _mm512_mask_storeu_epi32(zz.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(off, 16), off));
       }
-      store_digits(q[0], q[1], hi + k, lo + k);
+    }
+    for (int k = 0; k < K; k += 64) {
+      const int g0 = k >> gshift, g1 = (k + 32) >> gshift;
+      __m512i base = base_fixed;
+      if constexpr (Decode == kNibbleZeros)
+        base = _mm512_permutexvar_epi16(
+            _mm512_add_epi16(codes16, _mm512_mask_set1_epi32(_mm512_set1_epi32(zz[g0]), 0xFF00, zz[g1])), table);
+      const __m512i t = digit_step_table(base, bb.data(), g0, g1);
+      const uint8_t* codes = Decode == kNibbleQ4_0 ? row + int64_t(k / 32) * 18 + 2 : row + k / 2;
+      const __m512i idx = Decode == kNibbleQ4_0 ? digit_step_index<true>(codes, codes + 18)
+                                                : digit_step_index<false>(codes, nullptr);
+      _mm512_storeu_si512(lo + k, _mm512_permutexvar_epi8(idx, t));
+      _mm512_storeu_si512(hi + k, _mm512_permutexvar_epi8(_mm512_or_si512(idx, _mm512_set1_epi8(1)), t));
     }
   }
 }

@@ -21,6 +21,7 @@ ISA_FLAGS = (
     "avx512vl",
     "avx512_vnni",
     "avx512_bf16",
+    "avx512vbmi",
     "amx_tile",
     "amx_int8",
     "amx_bf16",
