@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kquant_scales.h"
+#include "method_traits.h"
 
 namespace hetmoe {
 namespace {
@@ -353,7 +355,7 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
       std::memcpy(&d16, sb, 2);
       std::memcpy(&m16, sb + 2, 2);
       const float d = _cvtsh_ss(d16), dmin = _cvtsh_ss(m16);
-      const uint8_t* q = sb + 4;  // scales and mins, ggml's get_scale_min_k4
+      const uint8_t* q = sb + 4;  // scales and mins
       const __m256i qh = Decode == kNibbleQ5K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16))
                                               : _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
@@ -362,8 +364,8 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
                                   _mm256_and_si256(_mm256_srli_epi16(part, 4), _mm256_set1_epi8(0x0F))};
         for (int half = 0; half < 2; ++half) {
           const int b = 2 * j + half;
-          const int sc = b < 4 ? q[b] & 63 : (q[b + 4] & 0xF) | ((q[b - 4] >> 6) << 4);
-          const int m = b < 4 ? q[b + 4] & 63 : (q[b + 4] >> 4) | ((q[b] >> 6) << 4);
+          int sc, m;
+          q4k_scale_min(q, b, &sc, &m);
           scale[b][r] = d * float(sc);
           minv[b][r] = dmin * float(m);  // exact: 11 significant bits times 6
           __m256i c = codes[half];
@@ -478,7 +480,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
 
 // A projection's code decoding and scale kind as compile-time values: with_nibble_kind(p, run) calls
 // run(NibbleCase<Decode, Kind>{}), one list of the cases for both 4-bit tile GEMMs (KQuants: whether
-// the K-quants are among them; the digit GEMM never takes them, tile_path.h: tile_digits).
+// the K-quants are among them; the digit GEMM takes Q4_K apart and never Q5_K, tile_path.h: tile_digits).
 template <int D, int S>
 struct NibbleCase {
   static constexpr int decode = D, kind = S;
@@ -669,19 +671,29 @@ inline void digit_row_scales(const uint8_t* row, const uint8_t* s, int G, float*
 // the code of k + 32 h + i at byte i of half h, in k order. VPMULTISHIFTQB picks 8 bits of a qword
 // from any bit offset, so one instruction moves each nibble to bits 1-4 of its byte (offset 4n - 1
 // for the nibble n bits up; offset -1 wraps to bit 63, zero or a neighbour nibble's bit, masked off).
-// Interleaved (int4, mxfp4): byte i holds k 2i (low nibble) and 2i + 1 (high); 4 bytes a qword
-// (VPMOVZXDQ) give its 8 indices. Halves (Q4_0): a block's 16 bytes hold k 0-15 (low nibbles) and
-// 16-31 (high), so each block fills two 128-bit lanes, low nibbles picked in the first, high in the second.
-template <bool Halves>
+// kCodesInterleaved (int4, mxfp4): byte i holds k 2i (low nibble) and 2i + 1 (high); 4 bytes a qword
+// (VPMOVZXDQ) give its 8 indices. kCodesBlockHalves (Q4_0): a block's 16 bytes hold k 0-15 (low
+// nibbles) and 16-31 (high), so each block fills two 128-bit lanes, low nibbles picked in the first,
+// high in the second. kCodesChunkHalves (Q4_K): 32 bytes hold k 0-31 (low nibbles) and 32-63 (high),
+// in both 256-bit halves, low nibbles picked in the first, high in the second.
+enum CodeLayout : int { kCodesInterleaved, kCodesBlockHalves, kCodesChunkHalves };
+template <int Decode>
+constexpr int code_layout() {
+  return Decode == kNibbleQ4_0 ? kCodesBlockHalves : Decode == kNibbleQ4K ? kCodesChunkHalves : kCodesInterleaved;
+}
+template <int Layout>
 inline __m512i digit_step_index(const uint8_t* codes, const uint8_t* codes_b) {
   // a qword's 8 bit offsets, byte 0 first: 4 interleaved bytes (63, 3, 7, ..., 27); 8 bytes' low
   // nibbles (63, 7, 15, ..., 55) or high nibbles (3, 11, ..., 59)
   const long long interleaved = 0x1B17130F0B07033F, low = 0x372F271F170F073F, high = 0x3B332B231B130B03;
   __m512i x, ctrl;
-  if constexpr (Halves) {
+  if constexpr (Layout == kCodesBlockHalves) {
     x = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     x = _mm512_mask_broadcast_i32x4(x, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_b)));
     ctrl = _mm512_set_epi64(high, high, low, low, high, high, low, low);
+  } else if constexpr (Layout == kCodesChunkHalves) {
+    x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    ctrl = _mm512_set_epi64(high, high, high, high, low, low, low, low);
   } else {
     x = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
     ctrl = _mm512_set1_epi64(interleaved);
@@ -696,10 +708,62 @@ inline __m512i digit_step_index(const uint8_t* codes, const uint8_t* codes_b) {
 // (q + 128) ^ 0x80: its low byte is q & 255 (adding 128 flips bit 7 and carries into the high byte),
 // the lo digit; its high byte is (q + 128) >> 8, the hi digit. base: the table values of the 16 codes
 // in each half; bb: b_g in both words of a dword, for each group.
+inline __m512i digit_words(__m512i q) {
+  return _mm512_xor_si512(_mm512_add_epi16(q, _mm512_set1_epi16(128)), _mm512_set1_epi16(0x80));
+}
 inline __m512i digit_step_table(__m512i base, const int32_t* bb, int g0, int g1) {
   const __m512i b = _mm512_mask_set1_epi32(_mm512_set1_epi32(bb[g0]), 0xFF00, bb[g1]);
-  return _mm512_xor_si512(_mm512_add_epi16(_mm512_mulhrs_epi16(base, b), _mm512_set1_epi16(128)),
-                          _mm512_set1_epi16(0x80));
+  return digit_words(_mm512_mulhrs_epi16(base, b));
+}
+
+// Q4_K rows on the digit grid. A weight is w = s_g c - m_g (s_g = d sc_g and m_g = dmin m_g, both exact
+// in fp32; c in [0, 15]) for its sub-block g of 32, so a step's table holds its two sub-blocks' 16
+// values each, min included: q = round(c s'_g + m'_g) with s' = s_g / U, m' = -m_g / U, U = W / 32639,
+// W = max_g max(|m_g|, |15 s_g - m_g|) >= the row's every |w|. s' and m' round to fp32 (2^-24 of at most
+// 32639 each) and the FMA once, so |q U - w| <= U / 2 + 0.01 U: within one unit, as the other formats.
+// The sub-blocks' scales into s[g] = s'_g and m[g] = m'_g; returns U (NaN for a row whose d or dmin is
+// not finite, whose tables are then zero).
+inline float q4k_digit_row(const uint8_t* row, int G, float* s, float* m) {
+  __m256 reach = _mm256_setzero_ps();
+  bool bad = false;
+  for (int b = 0; b < G / 8; ++b) {
+    const uint8_t* sb = row + int64_t(b) * 144;
+    uint16_t d16, m16;
+    std::memcpy(&d16, sb, 2);
+    std::memcpy(&m16, sb + 2, 2);
+    const float d = _cvtsh_ss(d16), dmin = _cvtsh_ss(m16);
+    bad |= !std::isfinite(d) || !std::isfinite(dmin);
+    __m256 sc, mn;
+    k4_scales_mins(sb + 4, &sc, &mn);
+    sc = _mm256_mul_ps(sc, _mm256_set1_ps(d));
+    mn = _mm256_mul_ps(mn, _mm256_set1_ps(dmin));
+    _mm256_storeu_ps(s + 8 * b, sc);
+    _mm256_storeu_ps(m + 8 * b, mn);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 top = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(15.f), sc), mn);  // code 15
+    reach = _mm256_max_ps(reach, _mm256_max_ps(_mm256_and_ps(mn, abs_mask), _mm256_and_ps(top, abs_mask)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, reach);
+  float wmax = 0.f;
+  for (float v : lanes) wmax = std::max(wmax, v);
+  const float inv = wmax > 0.f ? kDigitCodeMax / wmax : 0.f;
+  for (int g = 0; g < G; ++g) {  // inv = 0 for a bad row: its tables are zero
+    s[g] = bad ? 0.f : s[g] * inv;
+    m[g] = bad ? 0.f : m[g] * -inv;
+  }
+  return bad ? __builtin_nanf("") : wmax / kDigitCodeMax;
+}
+// A step's table (words 0-15: sub-block g, 16-31: g + 1) from q4k_digit_row's s' and m'. VPACKSSDW
+// takes four dwords of each source a 128-bit lane, so the sources hold codes {0-3, 8-11} and {4-7,
+// 12-15} of each sub-block and the words come out in code order.
+inline __m512i q4k_step_table(const float* s, const float* m, int g) {
+  const __m512 cx = _mm512_setr_ps(0, 1, 2, 3, 8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11);
+  const __m512 cy = _mm512_add_ps(cx, _mm512_set1_ps(4.f));
+  const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(s[g]), 0xFF00, _mm_load_ss(s + g + 1));
+  const __m512 mv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(m[g]), 0xFF00, _mm_load_ss(m + g + 1));
+  return digit_words(_mm512_packs_epi32(_mm512_cvtps_epi32(_mm512_fmadd_ps(cx, sv, mv)),
+                                        _mm512_cvtps_epi32(_mm512_fmadd_ps(cy, sv, mv))));
 }
 
 // Rows [r0, r0 + rows) of expert e as digits: a_hi/a_lo[r * K + k] (zero rows past R) and unit[r] = U.
@@ -712,7 +776,8 @@ inline __m512i digit_step_table(__m512i base, const int32_t* bb, int g0, int g1)
 template <int Decode, int Kind>
 void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
   const int K = p.k;
-  const int step = Decode == kNibbleQ4_0 ? 32 : p.group, G = (K + step - 1) / step;
+  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K;  // scales a block (sub-block) of 32
+  const int step = blocks32 ? 32 : p.group, G = (K + step - 1) / step;
   const int gshift = __builtin_ctz(unsigned(step));  // groups: 32 times powers of two (bindings.cpp)
   const __m512i table = digit_table<Decode>();
   // word i of a step's base: code i & 15's table value (kNibbleZeros: index code + 16 - zero, per half)
@@ -721,8 +786,9 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
                        7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi16(15));
   const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
-  const int64_t row_bytes = Decode == kNibbleQ4_0 ? int64_t(K / 32) * 18 : K / 2;
-  thread_local std::vector<float> sc;
+  const int64_t row_bytes = Decode == kNibbleQ4_0 ? int64_t(K / 32) * 18 : Decode == kNibbleQ4K ? int64_t(K / 256) * 144 : K / 2;
+  thread_local std::vector<float> sc, mins;  // mins: Q4_K's m'
+  if (Decode == kNibbleQ4K && mins.size() < size_t(G) + 16) mins.resize(G + 16);
   thread_local std::vector<int32_t> bb, zz;  // b_g (kNibbleZeros: 16 - zero_g) in both words of a dword
   if (sc.size() < size_t(G) + 16) {
     sc.resize(G + 16);
@@ -740,43 +806,53 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
     }
     const int n = r0 + r;
     const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
-    const uint8_t* s = Decode == kNibbleQ4_0 ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
+    const uint8_t* s = blocks32 ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
     const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
     // this row of the next block (the next call's), fetched while this block's tiles run
     prefetch_lines(row + kAmxRows * p.w_rstride, row_bytes);
-    // b_g = round(32639 s_g / s_max) for every group, s_max over the row (NaN or Inf: the row is bad)
-    digit_row_scales<Decode, Kind>(row, s, G, sc.data());
-    __m512 vmax = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    for (int g = 0; g < G; g += 16) {
-      const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, sc.data() + g));
-      bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(__FLT_MAX__), _CMP_NLE_UQ);  // NaN or Inf
-      vmax = _mm512_max_ps(vmax, a);
-    }
-    const float smax = bad ? 0.f : _mm512_reduce_max_ps(vmax);
-    const __m512 inv = _mm512_set1_ps(smax > 0.f ? kDigitCodeMax / smax : 0.f);
-    unit[r] = bad ? __builtin_nanf("") : smax * float(1 << (15 - digit_shift(Decode))) / kDigitCodeMax;
-    for (int g = 0; g < G; g += 16) {  // |b_g| <= 32639; rounded to nearest even as lrintf would
-      const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.data() + g), inv));
-      const __m512i word = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
-      _mm512_mask_storeu_epi32(bb.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(word, 16), word));
-      if constexpr (Decode == kNibbleZeros) {
-        const __m512i off = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, z + g)));
-        _mm512_mask_storeu_epi32(zz.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(off, 16), off));
+    if constexpr (Decode == kNibbleQ4K) {
+      unit[r] = q4k_digit_row(row, G, sc.data(), mins.data());
+    } else {
+      // b_g = round(32639 s_g / s_max) for every group, s_max over the row (NaN or Inf: the row is bad)
+      digit_row_scales<Decode, Kind>(row, s, G, sc.data());
+      __m512 vmax = _mm512_setzero_ps();
+      __mmask16 bad = 0;
+      for (int g = 0; g < G; g += 16) {
+        const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+        const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, sc.data() + g));
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(__FLT_MAX__), _CMP_NLE_UQ);  // NaN or Inf
+        vmax = _mm512_max_ps(vmax, a);
+      }
+      const float smax = bad ? 0.f : _mm512_reduce_max_ps(vmax);
+      const __m512 inv = _mm512_set1_ps(smax > 0.f ? kDigitCodeMax / smax : 0.f);
+      unit[r] = bad ? __builtin_nanf("") : smax * float(1 << (15 - digit_shift(Decode))) / kDigitCodeMax;
+      for (int g = 0; g < G; g += 16) {  // |b_g| <= 32639; rounded to nearest even as lrintf would
+        const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.data() + g), inv));
+        const __m512i word = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
+        _mm512_mask_storeu_epi32(bb.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(word, 16), word));
+        if constexpr (Decode == kNibbleZeros) {
+          const __m512i off = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, z + g)));
+          _mm512_mask_storeu_epi32(zz.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(off, 16), off));
+        }
       }
     }
     for (int k = 0; k < K; k += 64) {
       const int g0 = k >> gshift, g1 = (k + 32) >> gshift;
-      __m512i base = base_fixed;
-      if constexpr (Decode == kNibbleZeros)
-        base = _mm512_permutexvar_epi16(
-            _mm512_add_epi16(codes16, _mm512_mask_set1_epi32(_mm512_set1_epi32(zz[g0]), 0xFF00, zz[g1])), table);
-      const __m512i t = digit_step_table(base, bb.data(), g0, g1);
-      const uint8_t* codes = Decode == kNibbleQ4_0 ? row + int64_t(k / 32) * 18 + 2 : row + k / 2;
-      const __m512i idx = Decode == kNibbleQ4_0 ? digit_step_index<true>(codes, codes + 18)
-                                                : digit_step_index<false>(codes, nullptr);
+      __m512i t;
+      if constexpr (Decode == kNibbleQ4K) {
+        t = q4k_step_table(sc.data(), mins.data(), g0);
+      } else {
+        __m512i base = base_fixed;
+        if constexpr (Decode == kNibbleZeros)
+          base = _mm512_permutexvar_epi16(
+              _mm512_add_epi16(codes16, _mm512_mask_set1_epi32(_mm512_set1_epi32(zz[g0]), 0xFF00, zz[g1])), table);
+        t = digit_step_table(base, bb.data(), g0, g1);
+      }
+      const uint8_t* codes = Decode == kNibbleQ4_0 ? row + int64_t(k / 32) * 18 + 2
+                             : Decode == kNibbleQ4K ? row + int64_t(k / 256) * 144 + 16 + (k % 256) / 2
+                                                    : row + k / 2;
+      const __m512i idx = digit_step_index<code_layout<Decode>()>(codes, codes + 18);
       _mm512_storeu_si512(lo + k, _mm512_permutexvar_epi8(idx, t));
       _mm512_storeu_si512(hi + k, _mm512_permutexvar_epi8(_mm512_or_si512(idx, _mm512_set1_epi8(1)), t));
     }
@@ -826,6 +902,7 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
 
 void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
                      int T, float* c, int ldc) {
+  if (p.method == kQ4K) return gemm_digits_t<kNibbleQ4K, kScaleF16>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc);
   with_nibble_kind<false>(p, [&](auto k) {
     gemm_digits_t<decltype(k)::decode, decltype(k)::kind>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc);
   });

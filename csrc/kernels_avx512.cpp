@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kquant_scales.h"
 #include "method_traits.h"
 
 namespace hetmoe {

@@ -39,8 +39,15 @@ inline bool tile_digits(const KernelTable* kt, const Proj& p) {
     const char* env = std::getenv("HETMOE_AMX_4BIT");
     return env && std::strcmp(env, "codes") == 0;
   }();
-  return kt->amx_gemm_digits && !codes_only && method_traits(p.method).tile_codes == kTileCodesDigits &&
+  const int codes = method_traits(p.method).tile_codes;
+  return kt->amx_gemm_digits && !codes_only && (codes == kTileCodesDigits || codes == kTileCodesMinDigits) &&
          p.k % 64 == 0 && p.k <= 65536;
+}
+// Whether a projection's rows run on the bf16 code tiles with a min term (the activations' block sums).
+inline bool tile_codes_with_min(const KernelTable* kt, const Proj& p) {
+  const int codes = method_traits(p.method).tile_codes;
+  return kt->amx_gemm_nibble &&
+         (codes == kTileCodesMin || (codes == kTileCodesMinDigits && !tile_digits(kt, p)));
 }
 // Whether a projection's tile GEMM reads the activations' int8 digits (amx_pack_i8) or their bf16 tiles.
 inline bool tile_reads_digits(const KernelTable* kt, const Proj& p) { return tile_int8(kt, p) || tile_digits(kt, p); }
@@ -95,8 +102,7 @@ inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T
     x.hi = hi;
     x.lo = lo;
   }
-  if (kt->amx_gemm_nibble &&
-      (method_traits(a.method).tile_codes == kTileCodesMin || method_traits(b.method).tile_codes == kTileCodesMin)) {
+  if (tile_codes_with_min(kt, a) || tile_codes_with_min(kt, b)) {
     float* sums = sized(tl_tile.sums, size_t(K / 32) * ((T + 15) / 16 * 16));
     amx_block_sums(rows, T, K, sums);
     x.sums = sums;

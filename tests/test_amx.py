@@ -8,6 +8,11 @@
 - Both against float64: the split's arithmetic bound (below).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -155,7 +160,7 @@ def _tile_linear(isa: str, method: str, params: dict, K: int) -> tuple:
         ("int4", {"group_size": 32}, 608),  # K not a multiple of 64: the bf16 code tiles, not the digits
         ("int4-asym", {"group_size": 32}, 608),
         ("gguf:q4_0", {}, 608),
-        ("gguf:q4_k", {}, 768),
+        ("gguf:q4_k", {}, 768),  # K-quants' K is a multiple of 256: Q4_K takes the digits unless told (below)
         ("gguf:q5_k", {}, 768),
     ],
 )
@@ -171,7 +176,21 @@ def test_4bit_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict,
     Q4_K's and Q5_K's weights are d * sc * code - dmin * m: the min term, dmin * m (exact in fp32) times the
     activations' fp32 sum over the sub-block (31 roundings), is subtracted in one more rounding, so
     its sums are measured against sum_k |x| (|w| + |dmin m|), with 33 more roundings of 2^-24, and
-    2 for the fp32 weights the reference dequantizes (each rounded from d * sc * code - dmin * m)."""
+    2 for the fp32 weights the reference dequantizes (each rounded from d * sc * code - dmin * m).
+    Q4_K rows run on the code tiles only under HETMOE_AMX_4BIT=codes, which the engine reads once a
+    process: that case runs in a process of its own."""
+    if method == "gguf:q4_k":
+        env = {**os.environ, "HETMOE_AMX_4BIT": "codes", "HETMOE_TUNE": "0"}
+        code = f"import test_amx; test_amx._check_code_tiles({isa!r}, {method!r}, {params!r}, {K})"
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=Path(__file__).parent, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return
+    _check_code_tiles(isa, method, params, K)
+
+
+def _check_code_tiles(isa: str, method: str, params: dict, K: int) -> None:
     q, x, w, got, ref = _tile_linear(isa, method, params, K)
     magnitude = w.abs()
     extra = 0
@@ -185,6 +204,21 @@ def test_4bit_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict,
     scale = x.double().abs() @ magnitude.T
     bound = 2.0**-18 + (K / 2 + 4 + K / 32 + extra) * 2.0**-24
     assert float(((got - ref).abs() / scale).max()) <= bound
+
+
+def _q4k_row_reach(q: QuantizedTensor) -> torch.Tensor:
+    """Each Q4_K row's largest |w| any codes could give: its weights dequantized with every code 0 and
+    with every code 15 (the codec's own arithmetic, fp32), the larger magnitude of the two, per row."""
+    ends = []
+    for code in (0x00, 0xFF):
+        blocks = q.tensors[".weight"].clone().view(q.shape[0], -1, 144)
+        blocks[:, :, 16:] = code
+        ends.append(
+            get_codec(q.method).dequantize(
+                QuantizedTensor(q.method, q.shape, {".weight": blocks.view(q.shape[0], -1)}, q.params)
+            )
+        )
+    return torch.maximum(ends[0].double().abs(), ends[1].double().abs()).amax(dim=1)
 
 
 def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
@@ -211,6 +245,7 @@ def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
         ("gptq", {"group_size": 128, "sym": False}, 640, 16),
         ("gguf:q4_0", {}, 640, 8),
         ("mxfp4", {}, 640, 8),
+        ("gguf:q4_k", {}, 768, 0),
     ],
 )
 def test_4bit_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K: int, span: int) -> None:
@@ -222,9 +257,12 @@ def test_4bit_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dic
     W / 32639 sum_k |x_k| + amax_t / 65278 sum_k |w_k| + K 2^14 U d_t (the dropped product of the two
     low digits, each at most 128) + 5 fp32 roundings of the int32 sums' conversion and scaling, each
     2^-24 of at most K W amax_t. 80 rows (two 32-row blocks and a 16-row one), 70 tokens (five token
-    tiles, the last one short)."""
+    tiles, the last one short).
+    Q4_K (span 0) puts each sub-block's min into its digits: w = d sc code - dmin m, so W is the row's
+    largest |w| over codes 0 and 15 (the ends of a line in the code), each sub-block's table value within
+    one unit as well (kernels_amx.cpp: q4k_digit_row)."""
     q, x, w, got, ref = _tile_linear(isa, method, params, K)
-    W = span * _row_scale_max(q)  # [rows]
+    W = span * _row_scale_max(q) if span else _q4k_row_reach(q)  # [rows]
     amax = x.double().abs().amax(dim=1, keepdim=True)  # [tokens, 1]
     bound = (
         x.double().abs().sum(dim=1, keepdim=True) * W / 32639

@@ -1,0 +1,36 @@
+// The K-quants' (Q4_K, Q5_K) 6-bit sub-block scales and mins from a superblock's 12 packed bytes:
+// ggml's get_scale_min_k4, for one sub-block and for all eight at once.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace hetmoe {
+
+// Sub-block j's scale and min.
+inline void q4k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// All 8 as fp32 lanes, on 32-bit words u0 u1 u2 in vector lanes (a scalar version read back as a
+// vector stalls on store forwarding). The 16-byte load stays inside the superblock (the codes follow
+// the scales). AVX2.
+inline void k4_scales_mins(const uint8_t* s12, __m256* sc, __m256* mn) {
+  const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s12));        // u0 u1 u2 -
+  const __m128i u22 = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 2, 2, 2));                // u2 u2
+  const __m128i m2 = _mm_set1_epi32(0x0f0f0f0f), m3 = _mm_set1_epi32(0x03030303);
+  const __m128i lo = _mm_and_si128(u, _mm_set1_epi32(0x3f3f3f3f));                  // sc0-3 m0-3
+  const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(u22, _mm_setr_epi32(0, 4, 0, 0)), m2),
+                                  _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u, 6), m3), 4));  // sc4-7 m4-7
+  const __m128i both = _mm_unpacklo_epi32(lo, hi);  // sc0-3 sc4-7 m0-3 m4-7
+  *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+  *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8)));
+}
+
+}  // namespace hetmoe
