@@ -770,9 +770,9 @@ inline __m512i q4k_step_table(const float* s, const float* m, int g) {
 // A row with a NaN or infinite scale (which the loaders refuse: formats/base.py) gets a NaN unit and zero digits.
 // Each 64-weight step computes its 32 codes' q once (a table of 2 x 16 words, digit_step_table) rather
 // than each weight's, and two VPERMB look up every weight's lo and hi digits in it. (perf on the int4
-// layer at 512 tokens: the per-weight VPMULHRSW, packs and lane fixes were half of the kernel's samples;
-// decoding a step of all 32 rows at a time, each one ahead of the tiles that read it, was measured no
-// faster, even with the rows padded off K's power-of-two stride.)
+// layer at 512 tokens: the per-weight VPMULHRSW, packs and lane fixes were half of the kernel's samples.
+// Decoding a step of all 32 rows at a time, one step ahead of the tiles that read it, measured slower,
+// padded off K's power-of-two row stride or not: docs/benchmarks.md.)
 template <int Decode, int Kind>
 void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
   const int K = p.k;
