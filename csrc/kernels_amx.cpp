@@ -479,18 +479,18 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
 }
 
 // A projection's code decoding and scale kind as compile-time values: with_nibble_kind(p, run) calls
-// run(NibbleCase<Decode, Kind>{}), one list of the cases for both 4-bit tile GEMMs (KQuants: whether
-// the K-quants are among them; the digit GEMM takes Q4_K apart and never Q5_K, tile_path.h: tile_digits).
+// run(NibbleCase<Decode, Kind>{}), one list of the cases for both 4-bit tile GEMMs (Q5K: whether Q5_K
+// is among them; the digit GEMM never takes it, tile_path.h: tile_digits).
 template <int D, int S>
 struct NibbleCase {
   static constexpr int decode = D, kind = S;
 };
-template <bool KQuants, typename Run>
+template <bool Q5K, typename Run>
 void with_nibble_kind(const Proj& p, Run&& run) {
   if (p.method == kMXFP4) return run(NibbleCase<kNibbleE2M1, kScaleE8M0>{});
   if (p.method == kQ4_0) return run(NibbleCase<kNibbleQ4_0, kScaleF16>{});
-  if constexpr (KQuants) {
-    if (p.method == kQ4K) return run(NibbleCase<kNibbleQ4K, kScaleF16>{});
+  if (p.method == kQ4K) return run(NibbleCase<kNibbleQ4K, kScaleF16>{});
+  if constexpr (Q5K) {
     if (p.method == kQ5K) return run(NibbleCase<kNibbleQ5K, kScaleF16>{});
   }
   if (p.z) {
@@ -787,13 +787,11 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       _mm512_set1_epi16(15));
   const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
   const int64_t row_bytes = Decode == kNibbleQ4_0 ? int64_t(K / 32) * 18 : Decode == kNibbleQ4K ? int64_t(K / 256) * 144 : K / 2;
-  thread_local std::vector<float> sc, mins;  // mins: Q4_K's m'
-  if (Decode == kNibbleQ4K && mins.size() < size_t(G) + 16) mins.resize(G + 16);
+  thread_local std::vector<float> sc, mins;   // the groups' scales (Q4_K: s'), Q4_K's m'
   thread_local std::vector<int32_t> bb, zz;  // b_g (kNibbleZeros: 16 - zero_g) in both words of a dword
   if (sc.size() < size_t(G) + 16) {
-    sc.resize(G + 16);
-    bb.resize(G + 16);
-    zz.resize(G + 16);
+    for (auto* v : {&sc, &mins}) v->resize(G + 16);
+    for (auto* v : {&bb, &zz}) v->resize(G + 16);
   }
   for (int r = 0; r < rows; ++r) {
     int8_t* hi = a_hi + int64_t(r) * K;
@@ -902,7 +900,6 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
 
 void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
                      int T, float* c, int ldc) {
-  if (p.method == kQ4K) return gemm_digits_t<kNibbleQ4K, kScaleF16>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc);
   with_nibble_kind<false>(p, [&](auto k) {
     gemm_digits_t<decltype(k)::decode, decltype(k)::kind>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc);
   });
