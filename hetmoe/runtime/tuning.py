@@ -53,9 +53,10 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 11: the layers it times are on huge pages, as a model's weights are (10: the integer GEMVs' width
-# per family and regime; 9: 4-bit GEMMs on AMX take int8 digit tiles)
-TUNING_VERSION = 11
+# 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
+# pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit GEMMs
+# on AMX take int8 digit tiles)
+TUNING_VERSION = 12
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
