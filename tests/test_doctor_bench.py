@@ -116,3 +116,19 @@ def test_plain_read_of_a_decode_step() -> None:
                 (buf.data_ptr(), 1 << 19, 1 << 20, 1 << 20)):  # fmt: skip
         with pytest.raises(ValueError, match="measure_chunked_read"):
             mod.measure_chunked_read(*bad, 1)
+
+
+def test_timed_run_follows_an_idle_run_after_the_eviction() -> None:
+    """bench moe times a layer with its weights evicted but its code in cache, as inside a model: after
+    each eviction the idle arguments (no token routed) run, then the timed call, and only it is timed."""
+    from hetmoe.bench.moe import _time
+
+    calls: list[str] = []
+
+    def fn(tag: str) -> None:
+        calls.append(tag)
+
+    times, plain = _time(fn, lambda: ("step",), reps=3, min_seconds=0, flush=lambda: calls.append("evict"),
+                         idle=("idle",))  # fmt: skip
+    assert len(times) == 3 and plain == []
+    assert calls == ["step"] + ["evict", "idle", "step"] * 3
