@@ -10,6 +10,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "kquant_scales.h"
+
 namespace hetmoe {
 namespace {
 
@@ -62,26 +64,17 @@ void q8_0(const uint8_t* b, float* y) {  // q * d
 }
 
 // ---- superblocks of 256 (kquants.py) ----
-// Q4_K/Q5_K's eight 6-bit scales and mins from their 12 bytes (kquants.scale_min_k4).
-void scale_min_k4(const uint8_t* s, int* sc, int* mn) {
-  for (int i = 0; i < 4; ++i) {
-    sc[i] = s[i] & 0x3F;
-    mn[i] = s[4 + i] & 0x3F;
-    sc[4 + i] = (s[8 + i] & 0x0F) | ((s[i] >> 2) & 0x30);
-    mn[4 + i] = (s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30);
-  }
-}
 // Sub-block s (32 weights) of Q4_K/Q5_K: the low nibbles of 32-byte chunk s / 2 for even s, the high
 // ones for odd s; Q5_K's fifth bit of weight l is bit s of qh[l]. q * (d * sc) - dmin * m.
 template <bool Fifth>
 void q45_k(const uint8_t* b, float* y) {
   const float d = f16_value(b), dmin = f16_value(b + 2);
-  int sc[8], mn[8];
-  scale_min_k4(b + 4, sc, mn);
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + (Fifth ? 48 : 16);
   for (int s = 0; s < 8; ++s) {
-    const float dl = d * float(sc[s]), ml = dmin * float(mn[s]);
+    int sc, mn;
+    q4k_scale_min(b + 4, s, &sc, &mn);  // kquants.scale_min_k4
+    const float dl = d * float(sc), ml = dmin * float(mn);
     for (int l = 0; l < 32; ++l) {
       int q = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0F;
       if (Fifth) q |= ((qh[l] >> s) & 1) << 4;

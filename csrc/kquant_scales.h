@@ -1,5 +1,6 @@
 // The K-quants' (Q4_K, Q5_K) 6-bit sub-block scales and mins from a superblock's 12 packed bytes:
-// ggml's get_scale_min_k4, for one sub-block and for all eight at once.
+// ggml's get_scale_min_k4, for one sub-block (scalar: also in the baseline unit gguf_rows.cpp) and for
+// all eight at once (AVX2: only in the ISA units).
 #pragma once
 #include <immintrin.h>
 

@@ -124,6 +124,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         for tokens in cfg.tokens:
             gen = torch.Generator().manual_seed(cfg.seed + tokens)
             x = (torch.randn(tokens, h, generator=gen) * 0.5).bfloat16()
+            idle = (x, torch.full((tokens, k), -1, dtype=torch.int64), torch.full((tokens, k), 1.0 / k))  # see _time
             for name, impl in impls.items():
                 routings: list[int] = []
 
@@ -146,7 +147,6 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                     # nearly all distinct) read plainly between the repetitions
                     plain_bytes = min(experts, tokens * k) * bytes_per_expert
                     decode = name == "hetmoe" and tokens <= DECODE_TOKENS
-                    idle = (x, torch.full((tokens, k), -1, dtype=torch.int64), torch.full((tokens, k), 1.0 / k))
                     times, plains = _time(
                         impl.forward, draw, _reps(tokens), cfg.min_seconds, flush, plain_bytes if decode else 0, idle
                     )
