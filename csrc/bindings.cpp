@@ -198,6 +198,46 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"), py::arg("w"), py::arg("x"), py::arg("rows"), py::arg("tokens"), py::arg("k"), py::arg("w_lo"),
       py::arg("x_lo"), py::arg("c"));
   m.def(
+      "tile_pack_digits",
+      [](const std::string& isa, uintptr_t x_ptr, int T, int K, bool two_step, uintptr_t hi_ptr, uintptr_t lo_ptr,
+         uintptr_t d_ptr) {
+        // For tests (tests/test_amx.py): x [T, K] (fp32, contiguous) as int8 digit B tiles hi, lo
+        // (amx_packed_elems(T, K) bytes each) and scales d (16 * ceil(T / 16) floats), by amx_pack_i8 or,
+        // two_step, by amx_digit_rows a row and amx_tile_digit_rows (the MoE's path for gate and up).
+        const KernelTable* kt = table_for(isa);
+        if (!kt->amx_pack_i8) throw py::value_error("tile_pack_digits: '" + isa + "' has no tile kernels");
+        if (T <= 0 || K <= 0 || K % 64) throw py::value_error("tile_pack_digits: T > 0, K a multiple of 64");
+        const float* x = reinterpret_cast<const float*>(x_ptr);
+        int8_t* hi = reinterpret_cast<int8_t*>(hi_ptr);
+        int8_t* lo = reinterpret_cast<int8_t*>(lo_ptr);
+        float* d = reinterpret_cast<float*>(d_ptr);
+        py::gil_scoped_release release;
+        std::vector<const float*> rows(T);
+        for (int t = 0; t < T; ++t) rows[t] = x + size_t(t) * K;
+        const size_t n = size_t(amx_packed_elems(T, K));
+        std::vector<int8_t> th(n + 64), tl(n + 64);  // the kernels store whole aligned lines
+        int8_t* ah = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(th.data()) + 63) & ~uintptr_t(63));
+        int8_t* al = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tl.data()) + 63) & ~uintptr_t(63));
+        if (!two_step) {
+          kt->amx_pack_i8(rows.data(), T, K, ah, al, d);
+        } else {
+          std::vector<int8_t> digits(size_t(2) * T * K + 64);
+          int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(digits.data()) + 63) & ~uintptr_t(63));
+          std::vector<const int8_t*> hr(T), lr(T);
+          for (int t = 0; t < T; ++t) {
+            hr[t] = base + size_t(t) * K;
+            lr[t] = base + size_t(T + t) * K;
+            kt->amx_digit_rows(rows[t], K, base + size_t(t) * K, base + size_t(T + t) * K, d + t);
+          }
+          for (int t = T; t < (T + 15) / 16 * 16; ++t) d[t] = 0.f;
+          kt->amx_tile_digit_rows(hr.data(), lr.data(), T, K, ah, al);
+        }
+        std::memcpy(hi, ah, n);
+        std::memcpy(lo, al, n);
+      },
+      py::arg("isa"), py::arg("x"), py::arg("tokens"), py::arg("k"), py::arg("two_step"), py::arg("hi"), py::arg("lo"),
+      py::arg("d"));
+  m.def(
       "select_isa",
       [](const std::string& isa) {
         const std::string name = isa == "auto" ? best_isa() : isa;

@@ -156,6 +156,11 @@ struct KernelTable {
   // T activation rows of K (a multiple of 64) as int8 digit B tiles (hi and lo, amx_packed_elems(T, K)
   // bytes each) and a scale per token (16 * ceil(T / 16) floats, 0 past T): kernels_amx.cpp.
   void (*amx_pack_i8)(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, float* d);
+  // amx_pack_i8 in two steps: one row of K into its digits in k order (hi, lo: K bytes each, 64-byte
+  // aligned) and its scale; then T tokens' digit rows as the B tiles (and the scales gathered by the caller).
+  void (*amx_digit_rows)(const float* a, int K, int8_t* hi, int8_t* lo, float* d);
+  void (*amx_tile_digit_rows)(const int8_t* const* hi_rows, const int8_t* const* lo_rows, int T, int K, int8_t* hi,
+                              int8_t* lo);
   // c[t * ldc + r] = w_scale[r] * dot(w[r], x[t]) for int8 rows (w_stride bytes apart, 16 * ceil(R / 16)
   // readable), r < R (<= kAmxRows), over amx_pack_i8's digits.
   void (*amx_gemm_i8)(const int8_t* w, int64_t w_stride, const float* w_scale, int R, int K, const int8_t* x_hi,

@@ -517,6 +517,48 @@ void amx_gemm_nibble(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, 
 // c = scale_r * d_t * (256 * hi_dot + lo_dot) rounds once in fp32.
 constexpr float kDigitCodeMax = 32639.f;
 
+// A token row's digit scale d = amax / 32639 (0 for a zero row; NaN for a row with a NaN or an Inf,
+// whose outputs are then NaN), and in inv what its values are multiplied by. `next` (another row, or
+// the same) is fetched meanwhile: an expert's tokens are scattered over the batch, and the scan of one
+// stalled on its lines (perf, int4 layer at 512 tokens).
+inline float digit_row_scale(const float* row, const float* next, int K, float& inv) {
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int k = 0; k < K; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T0);
+    const __m512 v = _mm512_loadu_ps(row + k);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  const float amax = _mm512_reduce_max_ps(m);
+  const bool bad = nan || amax > __FLT_MAX__;  // max_ps may pass over a NaN; an Inf's codes are meaningless
+  // (a bad row's codes are clamped, defined, and then do not matter)
+  inv = amax > 0.f ? kDigitCodeMax / amax : 0.f;
+  return bad ? __builtin_nanf("") : amax > 0.f ? amax / kDigitCodeMax : 0.f;
+}
+
+// 64 values times inv as digits: q = round(v * inv) clamped to +-32639 (NaN to -32639), hi = (q + 128) >> 8,
+// lo = q - 256 hi, each 64 bytes at hi64 / lo64 (64-byte aligned). The bytes come from saturating packs,
+// exact here (every digit is within -128..127): 3 shuffles for 64 against 4 VPMOVDB of 2 each. The packs
+// work per 128-bit lane (byte 16 l + 4 i + m holds element 4 l + m of vector i), so dword d of the k
+// order is dword 4 (d % 4) + d / 4 of the packed.
+inline void digit_step(const float* v64, float inv, int8_t* hi64, int8_t* lo64) {
+  const __m512 scale = _mm512_set1_ps(inv), lim = _mm512_set1_ps(kDigitCodeMax);
+  __m512i qh[4], ql[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(v64 + 16 * i), scale);
+    v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));  // NaN -> -lim
+    const __m512i q = _mm512_cvtps_epi32(v);  // round to nearest even
+    qh[i] = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+    ql[i] = _mm512_sub_epi32(q, _mm512_slli_epi32(qh[i], 8));
+  }
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bh = _mm512_packs_epi16(_mm512_packs_epi32(qh[0], qh[1]), _mm512_packs_epi32(qh[2], qh[3]));
+  const __m512i bl = _mm512_packs_epi16(_mm512_packs_epi32(ql[0], ql[1]), _mm512_packs_epi32(ql[2], ql[3]));
+  _mm512_store_si512(hi64, _mm512_permutexvar_epi32(order, bh));
+  _mm512_store_si512(lo64, _mm512_permutexvar_epi32(order, bl));
+}
+
 void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, float* d) {
   const int S = K / 64, J = (T + 15) / 16;
   alignas(64) int8_t rows_hi[16][64], rows_lo[16][64];
@@ -524,23 +566,8 @@ void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, fl
     float inv[16];
     for (int n = 0; n < 16; ++n) {
       const int t = 16 * j + n;
-      float amax = 0.f;
-      bool bad = false;
-      if (t < T) {
-        __m512 m = _mm512_setzero_ps();
-        __mmask16 nan = 0;
-        for (int k = 0; k < K; k += 16) {
-          const __m512 v = _mm512_loadu_ps(a[t] + k);
-          m = _mm512_max_ps(m, _mm512_abs_ps(v));
-          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        }
-        amax = _mm512_reduce_max_ps(m);
-        bad = nan || amax > __FLT_MAX__;  // max_ps may pass over a NaN; an Inf's codes are meaningless
-      }
-      // padding tokens (t >= T) get 0; a token with a NaN or an Inf a NaN scale, so its outputs are NaN
-      // (its codes are clamped, defined, and then do not matter)
-      d[t] = bad ? __builtin_nanf("") : amax > 0.f ? amax / kDigitCodeMax : 0.f;
-      inv[n] = amax > 0.f ? kDigitCodeMax / amax : 0.f;
+      inv[n] = 0.f;
+      d[t] = t < T ? digit_row_scale(a[t], a[t + 1 < T ? t + 1 : t], K, inv[n]) : 0.f;  // padding tokens: 0
     }
     for (int s = 0; s < S; ++s) {
       for (int n = 0; n < 16; ++n) {
@@ -550,16 +577,7 @@ void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, fl
           std::memset(rows_lo[n], 0, 64);
           continue;
         }
-        const __m512 scale = _mm512_set1_ps(inv[n]), lim = _mm512_set1_ps(kDigitCodeMax);
-        for (int h = 0; h < 64; h += 16) {
-          __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a[t] + 64 * s + h), scale);
-          v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));  // NaN -> -lim
-          const __m512i q = _mm512_cvtps_epi32(v);  // round to nearest even
-          const __m512i qh = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
-          const __m512i ql = _mm512_sub_epi32(q, _mm512_slli_epi32(qh, 8));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(rows_hi[n] + h), _mm512_cvtepi32_epi8(qh));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(rows_lo[n] + h), _mm512_cvtepi32_epi8(ql));
-        }
+        digit_step(a[t] + 64 * s, inv[n], rows_hi[n], rows_lo[n]);
       }
       // Token n's 16 dwords (4 digits each) to the tile's rows of 16 tokens, as amx_pack's pairs.
       store_transposed(rows_hi[0], hi + (int64_t(j) * S + s) * 1024);
@@ -568,18 +586,41 @@ void amx_pack_i8(const float* const* a, int T, int K, int8_t* hi, int8_t* lo, fl
   }
 }
 
+// One token row's digits, as amx_pack_i8 computes them, in k order: hi[k], lo[k] (64-byte aligned) and
+// its scale *d. A batch's tokens quantized once (the MoE's phase 0), each expert then gathers its own
+// (amx_tile_digit_rows): a token goes to top-k experts, which would each quantize it again.
+void amx_digit_rows(const float* a, int K, int8_t* hi, int8_t* lo, float* d) {
+  float inv = 0.f;
+  *d = digit_row_scale(a, a, K, inv);
+  for (int k = 0; k < K; k += 64) digit_step(a + k, inv, hi + k, lo + k);
+}
+
+// T tokens' digit rows (amx_digit_rows, 64-byte aligned) as amx_pack_i8's B tiles; tokens past T zero.
+void amx_tile_digit_rows(const int8_t* const* hi_rows, const int8_t* const* lo_rows, int T, int K, int8_t* hi,
+                         int8_t* lo) {
+  const int S = K / 64, J = (T + 15) / 16;
+  for (int j = 0; j < J; ++j) {
+    for (int s = 0; s < S; ++s) {
+      for (int part = 0; part < 2; ++part) {
+        const int8_t* const* rows = part ? lo_rows : hi_rows;
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n) {
+          const int t = 16 * j + n;
+          r[n] = t < T ? _mm512_load_si512(rows[t] + 64 * s) : _mm512_setzero_si512();
+        }
+        transpose16(r);  // r[k] = the 16 tokens' dword k
+        int8_t* dst = (part ? lo : hi) + (int64_t(j) * S + s) * 1024;
+        for (int k = 0; k < 16; ++k) _mm512_store_si512(dst + 64 * k, r[k]);
+      }
+    }
+  }
+}
+
 // Token tile j's int32 sums from tiles 0-3 (0/1: rows 0-15 / 16-31 of the sums weighing 256; 2/3: the
 // same rows' sums weighing 1) to c[t * ldc + r] = row_scale[r] * x_scale[t] * (256 * hi + lo), rows
 // clipped to R, tokens to T: both int8-digit GEMMs end this way.
-inline void store_digit_sums(const float* row_scale, const float* x_scale, bool two_rows, int j, int R, int T,
-                             float* c, int ldc) {
-  alignas(64) int32_t acc[4][16][16];
-  TILE_STORE(0, acc[0], 64);
-  TILE_STORE(2, acc[2], 64);
-  if (two_rows) {
-    TILE_STORE(1, acc[1], 64);
-    TILE_STORE(3, acc[3], 64);
-  }
+inline void digit_sums_to_c(const int32_t (*acc)[16][16], const float* row_scale, const float* x_scale, bool two_rows,
+                            int j, int R, int T, float* c, int ldc) {
   const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
   for (int g = 0; g < (two_rows ? 2 : 1); ++g) {
     alignas(64) float out[16][16];
@@ -591,6 +632,52 @@ inline void store_digit_sums(const float* row_scale, const float* x_scale, bool 
     store_c(out, 16 * g, R, 16 * j, T, c, ldc);
   }
 }
+inline void store_digit_tiles(int32_t (*acc)[16][16], bool two_rows) {
+  TILE_STORE(0, acc[0], 64);
+  TILE_STORE(2, acc[2], 64);
+  if (two_rows) {
+    TILE_STORE(1, acc[1], 64);
+    TILE_STORE(3, acc[3], 64);
+  }
+}
+
+// The lines of c that token tile j's sums go to, fetched for writing while its tiles run: c is a
+// batch-wide array (the intermediate, the expert outputs) whose token rows are far apart.
+inline void prefetch_c_lines(float* c, int ldc, int j, int T, bool two_rows) {
+  for (int n = 0; n < 16 && 16 * j + n < T; ++n) {
+    const char* row = reinterpret_cast<const char*>(c + int64_t(16 * j + n) * ldc);
+    _mm_prefetch(row, _MM_HINT_ET0);
+    _mm_prefetch(row + 60, _MM_HINT_ET0);  // rows 0-15 may straddle two lines
+    if (two_rows) _mm_prefetch(row + 124, _MM_HINT_ET0);
+  }
+}
+
+// Token tile j's sums from the four C tiles to c. Stored by j's products and converted while token
+// tile j + 1's run (step 1 of its loop), so that the tiles do not wait on the conversion and c's
+// stores (in-process on the AMX Xeon, the int4 layer at 512 tokens: ~1.5 ms of 75): the caller
+// keeps two sets of accumulators, acc[j & 1].
+struct DeferredSums {
+  alignas(64) int32_t acc[2][4][16][16];  // left uninitialized: each set is stored before it is read
+  const float* row_scale;
+  const float* x_scale;
+  bool two_rows;
+  int R, T, ldc;
+  float* c;
+  int pending = -1;  // the token tile whose sums wait in acc[pending & 1]
+
+  DeferredSums(const float* row_scale_, const float* x_scale_, bool two_rows_, int R_, int T_, float* c_, int ldc_)
+      : row_scale(row_scale_), x_scale(x_scale_), two_rows(two_rows_), R(R_), T(T_), ldc(ldc_), c(c_) {}
+
+  void flush() {
+    if (pending >= 0) digit_sums_to_c(acc[pending & 1], row_scale, x_scale, two_rows, pending, R, T, c, ldc);
+    pending = -1;
+  }
+  void store(int j) {  // after j's products: the tiles to acc[j & 1]
+    store_digit_tiles(acc[j & 1], two_rows);
+    flush();  // j - 1's, where j's loop was too short to take it
+    pending = j;
+  }
+};
 
 // Tiles 0/1: rows 0-15 / 16-31 against hi digits, 2/3 the same against lo; A rows in 4/5, B in 6/7.
 // c[t * ldc + r] for r < R (<= 32), t < T; w rows w_stride bytes apart, 16 * ceil(R / 16) readable.
@@ -601,9 +688,11 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
   const bool two_rows = R > 16;
   alignas(64) float row_scale[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < R ? w_scale[r] : 0.f;
+  DeferredSums sums(row_scale, x_scale, two_rows, R, T, c, ldc);
   for (int j = 0; j < J; ++j) {
     const int64_t b0 = int64_t(j) * S * 1024;
     zero_c();
+    prefetch_c_lines(c, ldc, j, T, two_rows);
     for (int s = 0; s < S; ++s) {
       TILE_LOAD(4, w + 64 * s, w_stride);
       if (two_rows) TILE_LOAD(5, w + 16 * w_stride + 64 * s, w_stride);
@@ -615,9 +704,11 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
         TILE_DPBSSD(1, 5, 6);
         TILE_DPBSSD(3, 5, 7);
       }
+      if (s == 1) sums.flush();
     }
-    store_digit_sums(row_scale, x_scale, two_rows, j, R, T, c, ldc);
+    sums.store(j);
   }
+  sums.flush();
   tile_release();
 }
 
@@ -811,13 +902,23 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
     if constexpr (Decode == kNibbleQ4K) {
       unit[r] = q4k_digit_row(row, G, sc.data(), mins.data());
     } else {
-      // b_g = round(32639 s_g / s_max) for every group, s_max over the row (NaN or Inf: the row is bad)
-      digit_row_scales<Decode, Kind>(row, s, G, sc.data());
+      // b_g = round(32639 s_g / s_max) for every group, s_max over the row (NaN or Inf: the row is bad).
+      // The scales 16 groups at a time: 16-bit ones straight from their words, twice, the others
+      // (Q4_0's inside its blocks, e8m0) through sc. (The store of the scales and their masked reload
+      // stalled each row's setup: perf, int4 layer at 512 tokens; in-process ~2 ms of 73.)
+      constexpr bool direct = Decode != kNibbleQ4_0 && (Kind == kScaleBF16 || Kind == kScaleF16);
+      if constexpr (!direct) digit_row_scales<Decode, Kind>(row, s, G, sc.data());
+      const auto scales = [&](int g, __mmask16 m) {
+        if constexpr (!direct) return _mm512_maskz_loadu_ps(m, sc.data() + g);
+        const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(s) + g);
+        if constexpr (Kind == kScaleF16) return _mm512_cvtph_ps(h);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      };
       __m512 vmax = _mm512_setzero_ps();
       __mmask16 bad = 0;
       for (int g = 0; g < G; g += 16) {
         const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-        const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, sc.data() + g));
+        const __m512 a = _mm512_abs_ps(scales(g, m));
         bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(__FLT_MAX__), _CMP_NLE_UQ);  // NaN or Inf
         vmax = _mm512_max_ps(vmax, a);
       }
@@ -826,7 +927,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       unit[r] = bad ? __builtin_nanf("") : smax * float(1 << (15 - digit_shift(Decode))) / kDigitCodeMax;
       for (int g = 0; g < G; g += 16) {  // |b_g| <= 32639; rounded to nearest even as lrintf would
         const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.data() + g), inv));
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(scales(g, m), inv));
         const __m512i word = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
         _mm512_mask_storeu_epi32(bb.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(word, 16), word));
         if constexpr (Decode == kNibbleZeros) {
@@ -874,9 +975,11 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
   // the products weigh 65536 (hi x hi) and 256 (the mid sums): 256 U times 256 hh + mid
   for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < rows ? 256.f * unit[r] : 0.f;
   configure_tiles();
+  DeferredSums sums(row_scale, x_scale, two_rows, R, T, c, ldc);
   for (int j = 0; j < J; ++j) {
     const int64_t b0 = int64_t(j) * S * 1024;
     zero_c();
+    prefetch_c_lines(c, ldc, j, T, two_rows);
     for (int s = 0; s < S; ++s) {
       TILE_LOAD(6, x_hi + b0 + int64_t(s) * 1024, 64);
       TILE_LOAD(7, x_lo + b0 + int64_t(s) * 1024, 64);
@@ -892,9 +995,11 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
         TILE_DPBSSD(3, 4, 7);
         TILE_DPBSSD(3, 5, 6);
       }
+      if (s == 1) sums.flush();
     }
-    store_digit_sums(row_scale, x_scale, two_rows, j, R, T, c, ldc);
+    sums.store(j);
   }
+  sums.flush();
   tile_release();
 }
 
@@ -916,6 +1021,8 @@ KernelTable make_table() {
   t.amx_split = amx_split;
   t.amx_gemm = amx_gemm;
   t.amx_pack_i8 = amx_pack_i8;
+  t.amx_digit_rows = amx_digit_rows;
+  t.amx_tile_digit_rows = amx_tile_digit_rows;
   t.amx_gemm_i8 = amx_gemm_i8;
   t.amx_gemm_nibble = amx_gemm_nibble;
   t.amx_gemm_digits = amx_gemm_digits;

@@ -50,6 +50,15 @@ class MoEJob final : public Job {
     up_items_.repeat(A);
     down_items_.repeat(A);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
+    // Where gate and up read the activations as int8 digits on AMX tiles, each token is quantized once
+    // in phase 0 and every expert gathers its tokens' digit rows (a token goes to top-k experts, which
+    // each quantized it again). The int4 layer at 512 tokens on the AMX Xeon: perf put ~4 ms of 70 in
+    // amx_pack_i8, most of it gate and up's; ~1 ms less with the digit rows (docs/benchmarks.md).
+    const bool tile_experts = tile_gemm(kt) && !active_.empty() && active_[0].count > gemv_max;
+    if (tile_experts && engine::tile_digit_rows(kt, gate, up)) {
+      xq_ = uninit<int8_t>(size_t(2) * T * H + 64);
+      xq_d_ = uninit<float>(size_t(T));
+    }
     // Activations in the GEMVs' layouts only where some expert takes a GEMV (active_ is sorted by
     // count, busiest first): a prefill whose experts all take the GEMM path skips their phase-0 and
     // phase-2 quantization.
@@ -83,8 +92,8 @@ class MoEJob final : public Job {
 
   Phase next_phase(int index) override {
     switch (index) {
-      case 0:  // activations to fp32 (and int8 for integer kernels), one token an item
-        return {x_dtype_ == kBF16Data || x_act_.mode != kActNone || xu_act_.mode != kActNone ? T_ : 0,
+      case 0:  // activations to fp32 (and int8 for integer kernels, digits for the tiles), one token an item
+        return {x_dtype_ == kBF16Data || x_act_.mode != kActNone || xu_act_.mode != kActNone || xq_ ? T_ : 0,
                 [this](int t, int) { prepare_token(t); }};
       case 1:  // gate and up, then SiLU * up, by (node, expert, block of rows of I)
         return up_items_.phase([this](int i, int) { gate_up(i); });
@@ -151,7 +160,15 @@ class MoEJob final : public Job {
       kt_->bf16_to_f32(static_cast<const uint16_t*>(x_) + size_t(t) * H_, xf_.get() + size_t(t) * H_, H_);
     x_act_.quantize(kt_, x_row(t), t);
     xu_act_.quantize(kt_, x_row(t), t);
+    if (xq_) kt_->amx_digit_rows(x_row(t), H_, xq_hi(t), xq_lo(t), xq_d_.get() + t);
   }
+  // Token t's digit rows (amx_digit_rows) in xq_: all the hi rows, then all the lo rows, 64-byte aligned
+  // (H is a multiple of 64 on the digit tiles).
+  int8_t* xq_hi(int t) const {
+    int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xq_.get()) + 63) & ~uintptr_t(63));
+    return base + size_t(t) * H_;
+  }
+  int8_t* xq_lo(int t) const { return xq_hi(t) + size_t(T_) * H_; }
 
   // h = act(g + gate_bias, u + up_bias) for `rows` tokens of one expert, columns [n0, n0 + R).
   void activate(int expert, int n0, int R, float* g, int ldg, float* u, int ldu, int rows) const {
@@ -185,9 +202,22 @@ class MoEJob final : public Job {
 
   // AMX: the expert's tokens packed once for the item, then gate and up kAmxRows rows at a time.
   void gate_up_tiles(const ActiveExpert& a, int first, int last) {
-    std::vector<const float*> rows(a.count);
-    for (int i = 0; i < a.count; ++i) rows[i] = x_row(slot_token_[a.first_slot + i]);
-    const engine::TileActs x = tile_pack(kt_, rows.data(), a.count, H_, x_dtype_ != kBF16Data, gate_, up_);
+    engine::TileActs x;
+    if (xq_) {
+      std::vector<const int8_t*> hi(a.count), lo(a.count);
+      std::vector<float> d(a.count);
+      for (int i = 0; i < a.count; ++i) {
+        const int t = slot_token_[a.first_slot + i];
+        hi[i] = xq_hi(t);
+        lo[i] = xq_lo(t);
+        d[i] = xq_d_.get()[t];
+      }
+      x = engine::tile_pack_digit_rows(kt_, hi.data(), lo.data(), d.data(), a.count, H_);
+    } else {
+      std::vector<const float*> rows(a.count);
+      for (int i = 0; i < a.count; ++i) rows[i] = x_row(slot_token_[a.first_slot + i]);
+      x = tile_pack(kt_, rows.data(), a.count, H_, x_dtype_ != kBF16Data, gate_, up_);
+    }
     float* up_block = sized(tl_scratch.block, size_t(a.count) * kAmxRows);
     for (int n0 = first; n0 < last; n0 += kAmxRows) {
       const int n1 = std::min(last, n0 + kAmxRows);
@@ -333,6 +363,8 @@ class MoEJob final : public Job {
   int S_ = 0;
   engine::NodeRowItems up_items_, down_items_;  // phase 1's (rows of I) and phase 3's (rows of H)
   engine::Buf<float> xf_, h_, ybuf_;
+  engine::Buf<int8_t> xq_;  // phase 0's digit rows of the tokens, where gate and up read digits (xq_hi)
+  engine::Buf<float> xq_d_;
   engine::Buf<uint16_t> hb_;  // the intermediate in bf16, for bf16_down_
   bool bf16_up_ = false, bf16_down_ = false;
   ActBuffers x_act_, xu_act_, h_act_;  // xu_act_: up's layout where it is not gate's

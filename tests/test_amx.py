@@ -86,6 +86,45 @@ def test_emulator_is_the_sdm_arithmetic(R: int, T: int, K: int, w_lo: bool, x_lo
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def _digit_tiles_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The activations' int8 digits as kernels_amx.cpp's header states them, in fp32 as the kernel
+    rounds: d_t = amax_t / 32639, q = round-half-even(x * (32639 / amax_t)) within +-32639,
+    hi = (q + 128) >> 8, lo = q - 256 hi; B tile (j, s) row kq holds token 16 j + n's digits of
+    k = 64 s + 4 kq .. 64 s + 4 kq + 3 at bytes 4 n .. 4 n + 3, tokens past T zero."""
+    T, K = x.shape
+    Tp = (T + 15) // 16 * 16
+    amax = np.abs(x).max(axis=1)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    inv = np.where(amax > 0, np.float32(32639) / safe, np.float32(0)).astype(np.float32)
+    v = np.clip(x * inv[:, None], np.float32(-32639), np.float32(32639))
+    q = np.zeros((Tp, K), dtype=np.int64)
+    q[:T] = np.rint(v).astype(np.int64)
+    hi = (q + 128) >> 8
+    lo = q - 256 * hi
+    tiles = [d.reshape(Tp // 16, 16, K // 64, 16, 4).transpose(0, 2, 3, 1, 4).astype(np.int8).ravel() for d in (hi, lo)]
+    d = np.zeros(Tp, dtype=np.float32)
+    d[:T] = np.where(amax > 0, amax / np.float32(32639), np.float32(0))
+    return tiles[0], tiles[1], d
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize(("T", "K"), [(1, 64), (5, 128), (37, 192), (16, 640)])
+@pytest.mark.parametrize("two_step", [False, True])
+def test_activation_digits_are_the_stated_split(isa: str, T: int, K: int, two_step: bool) -> None:
+    """amx_pack_i8, and its two steps (a MoE's gate and up: each token's digit rows once in phase 0,
+    then every expert's tiles gathered from them), bit for bit against the stated convention; one row
+    is all zeros (d = 0, digits 0)."""
+    g = torch.Generator().manual_seed(T * 1000 + K)
+    x = (torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4).numpy()
+    x[T // 2] = 0
+    n = (T + 15) // 16 * 16 * K
+    hi, lo = np.empty(n, dtype=np.int8), np.empty(n, dtype=np.int8)
+    d = np.empty((T + 15) // 16 * 16, dtype=np.float32)
+    engine_module().tile_pack_digits(isa, x.ctypes.data, T, K, two_step, hi.ctypes.data, lo.ctypes.data, d.ctypes.data)
+    ref_hi, ref_lo, ref_d = _digit_tiles_reference(x)
+    assert np.array_equal(hi, ref_hi) and np.array_equal(lo, ref_lo) and np.array_equal(d, ref_d)
+
+
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the hardware variant is not run here")
 @pytest.mark.parametrize(("R", "T", "K"), [*SHAPES, (96, 200, 2048)])
 @pytest.mark.parametrize(("w_lo", "x_lo"), [(True, True), (False, False)])
