@@ -53,10 +53,11 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
+# 13: the AMX digit GEMMs convert their sums behind the next tile's products (the GEMV/GEMM switch
+# points move); 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
 # pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit GEMMs
 # on AMX take int8 digit tiles)
-TUNING_VERSION = 12
+TUNING_VERSION = 13
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
