@@ -616,9 +616,9 @@ void amx_tile_digit_rows(const int8_t* const* hi_rows, const int8_t* const* lo_r
   }
 }
 
-// Token tile j's int32 sums from tiles 0-3 (0/1: rows 0-15 / 16-31 of the sums weighing 256; 2/3: the
-// same rows' sums weighing 1) to c[t * ldc + r] = row_scale[r] * x_scale[t] * (256 * hi + lo), rows
-// clipped to R, tokens to T: both int8-digit GEMMs end this way.
+// Token tile j's int32 sums, the C tiles 0-3 as stored in acc (0/1: rows 0-15 / 16-31 of the sums
+// weighing 256; 2/3: the same rows' sums weighing 1), to c[t * ldc + r] = row_scale[r] * x_scale[t] *
+// (256 * hi + lo), rows clipped to R, tokens to T: both int8-digit GEMMs end this way.
 inline void digit_sums_to_c(const int32_t (*acc)[16][16], const float* row_scale, const float* x_scale, bool two_rows,
                             int j, int R, int T, float* c, int ldc) {
   const __m512 dt = _mm512_loadu_ps(x_scale + 16 * j);
