@@ -143,6 +143,12 @@ Buf<T> uninit(size_t n) {
   return Buf<T>(static_cast<T*>(b.p), Recycle{b.bytes});
 }
 
+// p rounded up to the next 64-byte boundary (a buffer allocated with 64 bytes to spare).
+template <typename T>
+T* align64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 // A scratch vector grown to at least n elements (never shrunk: per-worker buffers keep their size).
 template <typename T>
 T* sized(std::vector<T>& v, size_t n) {

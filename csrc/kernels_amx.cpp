@@ -84,13 +84,16 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 rows of 64 bytes (token n's 16 dwords) at src, 64-byte aligned, stored as the B tile's 16 rows of
-// 16 tokens' dwords at dst.
+// 16 rows of 64 bytes (r[n]: token n's 16 dwords) stored as the B tile's 16 rows of 16 tokens' dwords at dst.
+inline void store_tile_transposed(__m512i r[16], void* dst) {
+  transpose16(r);
+  for (int k = 0; k < 16; ++k) _mm512_storeu_si512(static_cast<uint8_t*>(dst) + 64 * k, r[k]);
+}
+// The same from 16 rows of 64 bytes at src, 64-byte aligned.
 inline void store_transposed(const void* src, void* dst) {
   __m512i r[16];
   for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(static_cast<const uint8_t*>(src) + 64 * n);
-  transpose16(r);
-  for (int k = 0; k < 16; ++k) _mm512_storeu_si512(static_cast<uint8_t*>(dst) + 64 * k, r[k]);
+  store_tile_transposed(r, dst);
 }
 
 // Activation rows as B tiles (layout above): hi[(j * K/32 + s) * 512 ...] is the tile of tokens
@@ -608,9 +611,7 @@ void amx_tile_digit_rows(const int8_t* const* hi_rows, const int8_t* const* lo_r
           const int t = 16 * j + n;
           r[n] = t < T ? _mm512_load_si512(rows[t] + 64 * s) : _mm512_setzero_si512();
         }
-        transpose16(r);  // r[k] = the 16 tokens' dword k
-        int8_t* dst = (part ? lo : hi) + (int64_t(j) * S + s) * 1024;
-        for (int k = 0; k < 16; ++k) _mm512_store_si512(dst + 64 * k, r[k]);
+        store_tile_transposed(r, (part ? lo : hi) + (int64_t(j) * S + s) * 1024);
       }
     }
   }

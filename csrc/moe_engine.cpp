@@ -54,9 +54,10 @@ class MoEJob final : public Job {
     // in phase 0 and every expert gathers its tokens' digit rows (a token goes to top-k experts, which
     // each quantized it again). The int4 layer at 512 tokens on the AMX Xeon: perf put ~4 ms of 70 in
     // amx_pack_i8, most of it gate and up's; ~1 ms less with the digit rows (docs/benchmarks.md).
-    const bool tile_experts = tile_gemm(kt) && !active_.empty() && active_[0].count > gemv_max;
-    if (tile_experts && engine::tile_digit_rows(kt, gate, up)) {
+    const bool gemm = !active_.empty() && active_[0].count > gemv_max;  // some expert takes the GEMM path
+    if (gemm && tile_gemm(kt) && engine::tile_digit_rows(kt, gate, up)) {
       xq_ = uninit<int8_t>(size_t(2) * T * H + 64);
+      xq_base_ = engine::align64(xq_.get());
       xq_d_ = uninit<float>(size_t(T));
     }
     // Activations in the GEMVs' layouts only where some expert takes a GEMV (active_ is sorted by
@@ -79,7 +80,6 @@ class MoEJob final : public Job {
     // when it dequantizes the checkpoint into its dtype; twice the products an instruction of the
     // fp32 panel's FMAs), the intermediate rounded to bf16 first (as the model's own bf16 MLP rounds
     // it). Only where some expert takes the GEMM path: a decode step skips the bf16 copy and its phase.
-    const bool gemm = !active_.empty() && active_[0].count > gemv_max;
     const bool bf16_model = x_dtype_ == kBF16Data && gemm;
     // On AMX tiles a bf16 model's intermediate is rounded to bf16 for a bf16 down projection the same
     // way, so that it is one tile pass; the tiles run the other methods their own way.
@@ -164,10 +164,7 @@ class MoEJob final : public Job {
   }
   // Token t's digit rows (amx_digit_rows) in xq_: all the hi rows, then all the lo rows, 64-byte aligned
   // (H is a multiple of 64 on the digit tiles).
-  int8_t* xq_hi(int t) const {
-    int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xq_.get()) + 63) & ~uintptr_t(63));
-    return base + size_t(t) * H_;
-  }
+  int8_t* xq_hi(int t) const { return xq_base_ + size_t(t) * H_; }
   int8_t* xq_lo(int t) const { return xq_hi(t) + size_t(T_) * H_; }
 
   // h = act(g + gate_bias, u + up_bias) for `rows` tokens of one expert, columns [n0, n0 + R).
@@ -364,6 +361,7 @@ class MoEJob final : public Job {
   engine::NodeRowItems up_items_, down_items_;  // phase 1's (rows of I) and phase 3's (rows of H)
   engine::Buf<float> xf_, h_, ybuf_;
   engine::Buf<int8_t> xq_;  // phase 0's digit rows of the tokens, where gate and up read digits (xq_hi)
+  int8_t* xq_base_ = nullptr;  // xq_ at its first 64-byte boundary
   engine::Buf<float> xq_d_;
   engine::Buf<uint16_t> hb_;  // the intermediate in bf16, for bf16_down_
   bool bf16_up_ = false, bf16_down_ = false;

@@ -73,8 +73,7 @@ inline void amx_block_sums(const float* const* a, int T, int K, float* sums) {
 template <typename T>
 T* sized_aligned(std::vector<T>& v, size_t n) {
   constexpr size_t pad = 64 / sizeof(T);
-  T* p = sized(v, n + pad);
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+  return align64(sized(v, n + pad));
 }
 
 // Per-worker buffers: packed activations (bf16 hi/lo, int8 digits), a dequantized panel and its bf16
