@@ -35,7 +35,8 @@ namespace {
 #include "amx_tiles.h"
 
 // code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
-// superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes)
+// superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes);
+// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same code tiles)
 enum NibbleKind {
   kNibbleEight = 0,
   kNibbleZeros = 1,
@@ -43,6 +44,7 @@ enum NibbleKind {
   kNibbleQ4_0 = 3,
   kNibbleQ4K = 4,
   kNibbleQ5K = 5,
+  kByteQ8_0 = 6,
 };
 constexpr bool has_min(int decode) { return decode == kNibbleQ4K || decode == kNibbleQ5K; }
 
@@ -382,6 +384,23 @@ void decode_nibble_chunk(const Proj& p, int e, int r0, int R, int rows, int k0, 
       }
       continue;
     }
+    if constexpr (Decode == kByteQ8_0) {  // 34-byte blocks of 32: fp16 d, then 32 int8 codes; span 32
+      constexpr int64_t bytes = sizeof(BlockQ8_0);
+      const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
+      prefetch_next_chunk(row, (k0 / 32) * bytes, (kc / 32) * bytes, p.w_rstride, k0 + kc >= p.k);
+      for (int k = 0; k < kc; k += 32) {
+        const uint8_t* block = row + (k0 + k) / 32 * bytes;
+        uint16_t d16;
+        std::memcpy(&d16, block, 2);
+        scale[k / 32][r] = _cvtsh_ss(d16);
+        // |code| <= 128 is exact in bf16 (8 significant bits), so the conversion rounds nothing
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+        _mm512_storeu_si512(h + k, _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(f0)), to_bf16x16(f1), 1));
+      }
+      continue;
+    }
     if constexpr (Decode == kNibbleQ4_0) {  // 18-byte blocks of 32: fp16 d, then the codes; span 32
       const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
       prefetch_next_chunk(row, int64_t(k0 / 32) * 18, int64_t(kc / 32) * 18, p.w_rstride, k0 + kc >= p.k);
@@ -446,7 +465,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
   const int rows = two_rows ? 32 : 16;
   // k sharing one scale within a chunk: the GGUF types' and mxfp4's blocks of 32, else the group (the
   // engine's groups are 32 times a power of two, so a chunk holds whole groups or lies inside one)
-  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleE2M1 || has_min(Decode);
+  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kByteQ8_0 || Decode == kNibbleE2M1 || has_min(Decode);
   const int span = blocks32 ? 32 : std::min(p.group, kNibbleChunk);
   alignas(64) uint16_t a[32 * kNibbleChunk];
   alignas(64) float scale[kNibbleChunk / 32][32];
@@ -482,19 +501,20 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
 }
 
 // A projection's code decoding and scale kind as compile-time values: with_nibble_kind(p, run) calls
-// run(NibbleCase<Decode, Kind>{}), one list of the cases for both 4-bit tile GEMMs (Q5K: whether Q5_K
-// is among them; the digit GEMM never takes it, tile_path.h: tile_digits).
+// run(NibbleCase<Decode, Kind>{}), one list of the cases for both code tile GEMMs (CodeTiles: the bf16
+// code tiles, which also take Q5_K and Q8_0; the digit GEMM takes neither, tile_path.h: tile_digits).
 template <int D, int S>
 struct NibbleCase {
   static constexpr int decode = D, kind = S;
 };
-template <bool Q5K, typename Run>
+template <bool CodeTiles, typename Run>
 void with_nibble_kind(const Proj& p, Run&& run) {
   if (p.method == kMXFP4) return run(NibbleCase<kNibbleE2M1, kScaleE8M0>{});
   if (p.method == kQ4_0) return run(NibbleCase<kNibbleQ4_0, kScaleF16>{});
   if (p.method == kQ4K) return run(NibbleCase<kNibbleQ4K, kScaleF16>{});
-  if constexpr (Q5K) {
+  if constexpr (CodeTiles) {
     if (p.method == kQ5K) return run(NibbleCase<kNibbleQ5K, kScaleF16>{});
+    if (p.method == kQ8_0) return run(NibbleCase<kByteQ8_0, kScaleF16>{});
   }
   if (p.z) {
     if (p.scale_kind == kScaleF16) return run(NibbleCase<kNibbleZeros, kScaleF16>{});

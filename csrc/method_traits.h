@@ -60,11 +60,11 @@ static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(Block
 static_assert(sizeof(BlockIQ4XS) == 136, "ggml block sizes");
 
 // How the AMX GEMM (tile_path.h) takes a method's rows beyond bf16's and int8's own paths: dequantized
-// panels; its codes as exact bf16 values straight into the tiles (kernels_amx.cpp, gemm_nibble_t), the
-// K-quants' with a min term that needs the activations' sums over each block of 32; or, where K is a
-// multiple of 64, its weights scaled into two int8 digits a weight on TDPBSSD (gemm_digits_t; the bf16
-// code tiles otherwise; kTileCodesMinDigits: the bf16 code tiles with the min term where they run, as
-// HETMOE_AMX_4BIT=codes asks: Q4_K, whose mins go into its digits).
+// panels; its codes as exact bf16 values straight into the tiles (kernels_amx.cpp, gemm_nibble_t: 4-bit
+// codes, Q8_0's int8 ones), the K-quants' with a min term that needs the activations' sums over each
+// block of 32; or, where K is a multiple of 64, its weights scaled into two int8 digits a weight on
+// TDPBSSD (gemm_digits_t; the bf16 code tiles otherwise; kTileCodesMinDigits: the bf16 code tiles with
+// the min term where they run, as HETMOE_AMX_4BIT=codes asks: Q4_K, whose mins go into its digits).
 enum TileCodes : int { kTileCodesNone = 0, kTileCodes = 1, kTileCodesMin = 2, kTileCodesDigits = 3, kTileCodesMinDigits = 4 };
 
 struct MethodTraits {
@@ -90,7 +90,7 @@ constexpr MethodTraits kMethodTraits[] = {
     {kQ5K, "gguf:q5_k", 256, int(sizeof(BlockQ5K)), 5.5, kActQuadsK, true, 256, kTileCodesMin},
     {kIQ4XS, "gguf:iq4_xs", 256, int(sizeof(BlockIQ4XS)), 4.25, kActQuadsHalves, true, 256, kTileCodesNone},
     {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalves, true, 32, kTileCodesDigits},
-    {kQ8_0, "gguf:q8_0", 32, int(sizeof(BlockQ8_0)), 8.5, kActNatural, true, 32, kTileCodesNone},
+    {kQ8_0, "gguf:q8_0", 32, int(sizeof(BlockQ8_0)), 8.5, kActNatural, true, 32, kTileCodes},
     {kIQ4NL, "gguf:iq4_nl", 32, int(sizeof(BlockIQ4NL)), 4.5, kActQuadsHalves, true, 32, kTileCodesNone},
     {kQ5_0, "gguf:q5_0", 32, int(sizeof(BlockQ5_0)), 5.5, kActQuadsHalves, true, 32, kTileCodesNone},
 };

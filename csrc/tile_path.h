@@ -3,8 +3,9 @@
 // weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and
 // so are int8 codes (on int8 tiles); 4-bit weights become two int8 digits a weight with their scales
 // inside (int4, gptq, Q4_0, mxfp4), or enter bf16 tiles as their exact integer codes, the scales applied
-// after each group's products (Q4_K, Q5_K); every other method is dequantized to an fp32 panel by its
-// dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5 accuracy: kernels_amx.cpp).
+// after each group's products (Q4_K, Q5_K, and Q8_0's int8 codes); every other method is dequantized to
+// an fp32 panel by its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5
+// accuracy: kernels_amx.cpp).
 //
 // Compiled with the baseline flags only, like engine_common.h.
 #pragma once

@@ -201,11 +201,12 @@ def _tile_linear(isa: str, method: str, params: dict, K: int) -> tuple:
         ("gguf:q4_0", {}, 608),
         ("gguf:q4_k", {}, 768),  # K-quants' K is a multiple of 256: Q4_K takes the digits unless told (below)
         ("gguf:q5_k", {}, 768),
+        ("gguf:q8_0", {}, 608),  # 8-bit codes on the same tiles: |code| <= 128 is as exact in bf16
     ],
 )
-def test_4bit_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: int) -> None:
-    """4-bit rows on bf16 tiles (kernels_amx.cpp, gemm_nibble_t): the code values (code - zero) are
-    exact bf16, so per element, relative to sum_k |w x| against float64: the
+def test_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: int) -> None:
+    """4-bit rows and Q8_0's on bf16 tiles (kernels_amx.cpp, gemm_nibble_t): the code values (code - zero,
+    Q8_0's int8 codes) are exact bf16, so per element, relative to sum_k |w x| against float64: the
     activations' split drops at most 2^-18 of each product; each span of k sharing a scale adds its
     fp32 chains' at most span / 2 + 2 roundings (span <= 256 <= K / 2), one for the scale and one into
     the accumulator (K / 32 spans at most), each 2^-24 of a sum no larger than sum_k |w x|. 80 rows
