@@ -24,6 +24,7 @@
 #include "norms.h"
 #include "numa.h"
 #include "quantize.h"
+#include "tile_path.h"
 
 namespace py = pybind11;
 using namespace hetmoe;
@@ -203,7 +204,7 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t d_ptr) {
         // For tests (tests/test_amx.py): x [T, K] (fp32, contiguous) as int8 digit B tiles hi, lo
         // (amx_packed_elems(T, K) bytes each) and scales d (16 * ceil(T / 16) floats), by amx_pack_i8 or,
-        // two_step, by amx_digit_rows a row and amx_tile_digit_rows (the MoE's path for gate and up).
+        // two_step, by amx_digit_rows a row and tile_pack_digit_rows (the MoE's path for gate and up).
         const KernelTable* kt = table_for(isa);
         if (!kt->amx_pack_i8) throw py::value_error("tile_pack_digits: '" + isa + "' has no tile kernels");
         if (T <= 0 || K <= 0 || K % 64) throw py::value_error("tile_pack_digits: T > 0, K a multiple of 64");
@@ -214,26 +215,27 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         std::vector<const float*> rows(T);
         for (int t = 0; t < T; ++t) rows[t] = x + size_t(t) * K;
-        const size_t n = size_t(amx_packed_elems(T, K));
-        std::vector<int8_t> th(n + 64), tl(n + 64);  // the kernels store whole aligned lines
-        int8_t* ah = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(th.data()) + 63) & ~uintptr_t(63));
-        int8_t* al = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tl.data()) + 63) & ~uintptr_t(63));
+        const size_t n = size_t(amx_packed_elems(T, K)), Tp = size_t(T + 15) / 16 * 16;
         if (!two_step) {
-          kt->amx_pack_i8(rows.data(), T, K, ah, al, d);
-        } else {
-          std::vector<int8_t> digits(size_t(2) * T * K + 64);
-          int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(digits.data()) + 63) & ~uintptr_t(63));
-          std::vector<const int8_t*> hr(T), lr(T);
-          for (int t = 0; t < T; ++t) {
-            hr[t] = base + size_t(t) * K;
-            lr[t] = base + size_t(T + t) * K;
-            kt->amx_digit_rows(rows[t], K, base + size_t(t) * K, base + size_t(T + t) * K, d + t);
-          }
-          for (int t = T; t < (T + 15) / 16 * 16; ++t) d[t] = 0.f;
-          kt->amx_tile_digit_rows(hr.data(), lr.data(), T, K, ah, al);
+          std::vector<int8_t> th(n + 64), tl(n + 64);  // the kernel stores whole aligned lines
+          kt->amx_pack_i8(rows.data(), T, K, engine::align64(th.data()), engine::align64(tl.data()), d);
+          std::memcpy(hi, engine::align64(th.data()), n);
+          std::memcpy(lo, engine::align64(tl.data()), n);
+          return;
         }
-        std::memcpy(hi, ah, n);
-        std::memcpy(lo, al, n);
+        std::vector<int8_t> digits(size_t(2) * T * K + 64);
+        int8_t* base = engine::align64(digits.data());
+        std::vector<int8_t*> hr(T), lr(T);
+        std::vector<float> row_d(T);
+        for (int t = 0; t < T; ++t) {
+          hr[t] = base + size_t(t) * K;
+          lr[t] = base + size_t(T + t) * K;
+          kt->amx_digit_rows(rows[t], K, hr[t], lr[t], &row_d[t]);
+        }
+        const engine::TileActs packed = engine::tile_pack_digit_rows(kt, hr.data(), lr.data(), row_d.data(), T, K);
+        std::memcpy(hi, packed.q_hi, n);
+        std::memcpy(lo, packed.q_lo, n);
+        std::memcpy(d, packed.q_d, Tp * sizeof(float));
       },
       py::arg("isa"), py::arg("x"), py::arg("tokens"), py::arg("k"), py::arg("two_step"), py::arg("hi"), py::arg("lo"),
       py::arg("d"));
