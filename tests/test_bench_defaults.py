@@ -57,7 +57,10 @@ def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
     for r in result["records"]:
         times = r["candidates"]
         assert r["default"] in times and r["best_ms"] == min(times.values())
-        assert r["ratio"] == pytest.approx(r["default_ms"] / r["best_ms"], rel=1e-2)
+        # The times are kept to four significant digits (each within 5e-4 relative) and the ratio,
+        # taken before that, to three decimals of a value >= 1 (within 5e-4 relative): so the
+        # ratio of the kept times is within ~1.5e-3 of the kept ratio.
+        assert r["ratio"] == pytest.approx(r["default_ms"] / r["best_ms"], rel=2e-3)
         assert r["default_spread"] >= 1.0
     assert (int_vector_widths(), mod.prefetch_nta(), mod.selected_isa()) == before  # as it found them
     table = format_table(result)
