@@ -36,7 +36,7 @@ namespace {
 
 // code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
 // superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes);
-// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same code tiles)
+// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same tiles)
 enum NibbleKind {
   kNibbleEight = 0,
   kNibbleZeros = 1,
@@ -502,7 +502,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
 
 // A projection's code decoding and scale kind as compile-time values: with_nibble_kind(p, run) calls
 // run(NibbleCase<Decode, Kind>{}), one list of the cases for both code tile GEMMs (CodeTiles: the bf16
-// code tiles, which also take Q5_K and Q8_0; the digit GEMM takes neither, tile_path.h: tile_digits).
+// code tiles, which also take Q5_K; the digit GEMM does not, tile_path.h: tile_digits).
 template <int D, int S>
 struct NibbleCase {
   static constexpr int decode = D, kind = S;
@@ -512,9 +512,9 @@ void with_nibble_kind(const Proj& p, Run&& run) {
   if (p.method == kMXFP4) return run(NibbleCase<kNibbleE2M1, kScaleE8M0>{});
   if (p.method == kQ4_0) return run(NibbleCase<kNibbleQ4_0, kScaleF16>{});
   if (p.method == kQ4K) return run(NibbleCase<kNibbleQ4K, kScaleF16>{});
+  if (p.method == kQ8_0) return run(NibbleCase<kByteQ8_0, kScaleF16>{});
   if constexpr (CodeTiles) {
     if (p.method == kQ5K) return run(NibbleCase<kNibbleQ5K, kScaleF16>{});
-    if (p.method == kQ8_0) return run(NibbleCase<kByteQ8_0, kScaleF16>{});
   }
   if (p.z) {
     if (p.scale_kind == kScaleF16) return run(NibbleCase<kNibbleZeros, kScaleF16>{});
@@ -733,7 +733,7 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
   tile_release();
 }
 
-// ---- 4-bit rows on int8 tiles (int4 sym/asym, gptq, GGUF Q4_0, mxfp4): two weight digits on TDPBSSD ----
+// ---- 4-bit rows on int8 tiles (int4 sym/asym, gptq, GGUF Q4_0, Q4_K, mxfp4), and Q8_0's: two weight digits on TDPBSSD ----
 // The bf16 path above applies each group's scale after that group's tile products: at groups of 32, a
 // C tile store and a multiply-add per C row every 32 k, as long as the products themselves. Here the
 // scales go into the weights before the tiles: a row's weights w = s_g * v (v the code value) become
@@ -750,7 +750,10 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
 // |v| 2^(shift - 15) / 2 <= 1/2 and VPMULHRSW's by 1/2: |q U - w| <= U. A dot product's error is then
 // at most sum_k (|x_k| W / 32639 + |w_k| amax_t / 65278) + K 2^14 W amax_t / 32639^2 (activations'
 // half unit, the dropped term), ~6e-5 of K W amax_t at most: the int16 level of the AVX-512 GEMVs.
-constexpr int digit_shift(int decode) { return decode == kNibbleEight || decode == kNibbleQ4_0 ? 12 : 11; }
+// Q8_0's int8 codes (|v| <= 128) go in as v << 8, which VPMULHRSW by b_g turns into round(v b_g / 128).
+constexpr int digit_shift(int decode) {
+  return decode == kByteQ8_0 ? 8 : decode == kNibbleEight || decode == kNibbleQ4_0 ? 12 : 11;
+}
 
 // v << shift by table index: the code itself (code - 8; twice an E2M1 value), or for codes with zero
 // points code + 16 - zero (nibble_value's indices).
@@ -763,12 +766,13 @@ inline __m512i digit_table() {
   return _mm512_load_si512(t);
 }
 
-// A row's scales as fp32, one a step of its blocks (Q4_0: each block's d; the others: each group's) into sc[G].
+// A row's scales as fp32, one a step of its blocks (Q4_0, Q8_0: each block's d; the others: each group's) into sc[G].
 template <int Decode, int Kind>
 inline void digit_row_scales(const uint8_t* row, const uint8_t* s, int G, float* sc) {
   int g = 0;
-  if constexpr (Decode == kNibbleQ4_0) {
-    for (; g < G; ++g) sc[g] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(row + int64_t(g) * 18));
+  if constexpr (Decode == kNibbleQ4_0 || Decode == kByteQ8_0) {
+    constexpr int block = Decode == kNibbleQ4_0 ? 18 : 34;
+    for (; g < G; ++g) sc[g] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(row + int64_t(g) * block));
   } else if constexpr (Kind == kScaleBF16 || Kind == kScaleF16) {
     for (; g + 16 <= G; g += 16) {
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * g));
@@ -826,6 +830,24 @@ inline __m512i digit_words(__m512i q) {
 inline __m512i digit_step_table(__m512i base, const int32_t* bb, int g0, int g1) {
   const __m512i b = _mm512_mask_set1_epi32(_mm512_set1_epi32(bb[g0]), 0xFF00, bb[g1]);
   return digit_words(_mm512_mulhrs_epi16(base, b));
+}
+
+// A Q8_0 step: two blocks' 32 int8 codes each (at `block` and block + 34, after their fp16 d) as the
+// words q = VPMULHRSW(v << 8, b_g) = round(v b_g / 128), split by two VPERMT2B into the 64 lo digits
+// (even bytes of digit_words) and the 64 hi digits (odd bytes) in k order.
+inline void q8_0_step_digits(const uint8_t* block, const int32_t* bb, int g, __m512i even, int8_t* lo, int8_t* hi) {
+  const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)));
+  const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 36)));
+  const __m512i q0 = digit_words(_mm512_mulhrs_epi16(_mm512_slli_epi16(v0, 8), _mm512_set1_epi32(bb[g])));
+  const __m512i q1 = digit_words(_mm512_mulhrs_epi16(_mm512_slli_epi16(v1, 8), _mm512_set1_epi32(bb[g + 1])));
+  _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
+  _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
+}
+// Byte i: 2 i, the VPERMT2B index of word i's low byte across two vectors.
+inline __m512i even_byte_index() {
+  alignas(64) int8_t t[64];
+  for (int i = 0; i < 64; ++i) t[i] = int8_t(2 * i);
+  return _mm512_load_si512(t);
 }
 
 // Q4_K rows on the digit grid. A weight is w = s_g c - m_g (s_g = d sc_g and m_g = dmin m_g, both exact
@@ -888,7 +910,8 @@ inline __m512i q4k_step_table(const float* s, const float* m, int g) {
 template <int Decode, int Kind>
 void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
   const int K = p.k;
-  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K;  // scales a block (sub-block) of 32
+  // scales a block (sub-block) of 32
+  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K || Decode == kByteQ8_0;
   const int step = blocks32 ? 32 : p.group, G = (K + step - 1) / step;
   const int gshift = __builtin_ctz(unsigned(step));  // groups: 32 times powers of two (bindings.cpp)
   const __m512i table = digit_table<Decode>();
@@ -898,7 +921,10 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
                        7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi16(15));
   const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
-  const int64_t row_bytes = Decode == kNibbleQ4_0 ? int64_t(K / 32) * 18 : Decode == kNibbleQ4K ? int64_t(K / 256) * 144 : K / 2;
+  const int64_t row_bytes = Decode == kNibbleQ4_0   ? int64_t(K / 32) * 18
+                            : Decode == kByteQ8_0  ? int64_t(K / 32) * 34
+                            : Decode == kNibbleQ4K ? int64_t(K / 256) * 144
+                                                   : K / 2;
   thread_local std::vector<float> sc, mins;   // the groups' scales (Q4_K: s'), Q4_K's m'
   thread_local std::vector<int32_t> bb, zz;  // b_g (kNibbleZeros: 16 - zero_g) in both words of a dword
   if (sc.size() < size_t(G) + 16) {
@@ -919,7 +945,10 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
     const uint8_t* s = blocks32 ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
     const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
     // this row of the next block (the next call's), fetched while this block's tiles run
-    prefetch_lines(row + kAmxRows * p.w_rstride, row_bytes);
+    // Q8_0's 34 lines a row (K = 2048) in one burst stalled on the line fill buffers: its step loop
+    // asks for them a step at a time (Qwen3 layer at 512 tokens: 97.9-98.9 -> 89.2-96.1 ms; int4's 16
+    // lines and Q4_0's 18 were as fast or faster in one burst).
+    if constexpr (Decode != kByteQ8_0) prefetch_lines(row + kAmxRows * p.w_rstride, row_bytes);
     if constexpr (Decode == kNibbleQ4K) {
       unit[r] = q4k_digit_row(row, G, sc.data(), mins.data());
     } else {
@@ -927,7 +956,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       // The scales 16 groups at a time: 16-bit ones straight from their words, twice, the others
       // (Q4_0's inside its blocks, e8m0) through sc. (The store of the scales and their masked reload
       // stalled each row's setup: perf, int4 layer at 512 tokens; in-process ~2 ms of 73.)
-      constexpr bool direct = Decode != kNibbleQ4_0 && (Kind == kScaleBF16 || Kind == kScaleF16);
+      constexpr bool direct = Decode != kNibbleQ4_0 && Decode != kByteQ8_0 && (Kind == kScaleBF16 || Kind == kScaleF16);
       if constexpr (!direct) digit_row_scales<Decode, Kind>(row, s, G, sc.data());
       const auto scales = [&](int g, __mmask16 m) {
         if constexpr (!direct) return _mm512_maskz_loadu_ps(m, sc.data() + g);
@@ -956,6 +985,15 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
           _mm512_mask_storeu_epi32(zz.data() + g, m, _mm512_or_si512(_mm512_slli_epi32(off, 16), off));
         }
       }
+    }
+    if constexpr (Decode == kByteQ8_0) {
+      const __m512i even = even_byte_index();
+      const uint8_t* next = row + kAmxRows * p.w_rstride;
+      for (int k = 0; k < K; k += 64) {
+        prefetch_lines(next + int64_t(k / 32) * 34, 68);
+        q8_0_step_digits(row + int64_t(k / 32) * 34, bb.data(), k / 32, even, lo + k, hi + k);
+      }
+      continue;
     }
     for (int k = 0; k < K; k += 64) {
       const int g0 = k >> gshift, g1 = (k + 32) >> gshift;

@@ -1,9 +1,10 @@
 // The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
 // MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
 // weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and
-// so are int8 codes (on int8 tiles); 4-bit weights become two int8 digits a weight with their scales
-// inside (int4, gptq, Q4_0, mxfp4), or enter bf16 tiles as their exact integer codes, the scales applied
-// after each group's products (Q4_K, Q5_K, and Q8_0's int8 codes); every other method is dequantized to
+// so are int8 codes (on int8 tiles); 4-bit weights and Q8_0's become two int8 digits a weight with their
+// scales inside (int4, gptq, Q4_0, Q4_K, mxfp4, Q8_0), or, where K is not a multiple of 64, enter bf16
+// tiles as their exact integer codes, the scales applied after each group's products (and so Q5_K's
+// always); every other method is dequantized to
 // an fp32 panel by its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5
 // accuracy: kernels_amx.cpp).
 //
@@ -31,7 +32,7 @@ inline bool tile_int8(const KernelTable* kt, const Proj& p) {
   return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
 }
 
-// 4-bit rows whose traits row has kTileCodesDigits, K a multiple of 64 (a TDPBSSD step) and at most 2^16
+// 4-bit and Q8_0 rows whose traits row has kTileCodesDigits, K a multiple of 64 (a TDPBSSD step) and at most 2^16
 // (the int32 accumulators sum two products of |127 * 128| a k): as two int8 digits a weight on TDPBSSD
 // against the activations' digits (amx_gemm_digits); K short of a 64 multiple takes the bf16 code tiles.
 // HETMOE_AMX_4BIT=codes keeps them all on the bf16 code tiles (read once: the A/B the benchmarks ran).

@@ -264,8 +264,9 @@ def _q4k_row_reach(q: QuantizedTensor) -> torch.Tensor:
 def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
     """Each row's largest |scale| as the format stores it (mxfp4: 2^(e - 127), the E2M1 values' own)."""
     t = q.tensors
-    if q.method == "gguf:q4_0":
-        d = t[".weight"].view(q.shape[0], -1, 18)[:, :, :2].contiguous().view(torch.float16)
+    if q.method in ("gguf:q4_0", "gguf:q8_0"):
+        block = 18 if q.method == "gguf:q4_0" else 34
+        d = t[".weight"].view(q.shape[0], -1, block)[:, :, :2].contiguous().view(torch.float16)
         return d.double().abs().amax(dim=(1, 2))
     if q.method == "mxfp4":
         return (2.0 ** (t["_scales"].double() - 127)).amax(dim=1)
@@ -284,15 +285,17 @@ def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
         ("int4-asym", {"group_size": 64}, 640, 16),
         ("gptq", {"group_size": 128, "sym": False}, 640, 16),
         ("gguf:q4_0", {}, 640, 8),
+        ("gguf:q8_0", {}, 640, 128),  # int8 codes, |v| <= 128
         ("mxfp4", {}, 640, 8),
         ("gguf:q4_k", {}, 768, 0),
     ],
 )
-def test_4bit_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K: int, span: int) -> None:
-    """4-bit rows as two int8 digits a weight on TDPBSSD (kernels_amx.cpp, gemm_digits_t), against
+def test_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K: int, span: int) -> None:
+    """4-bit rows and Q8_0's as two int8 digits a weight on TDPBSSD (kernels_amx.cpp, gemm_digits_t), against
     float64, per element. A row's weights become integers on one unit U = W / 32639, where W is
     `span` times the row's largest |scale| (8 where the code values are within [-8, 8], 16 where
-    within [-16, 16]: code - zero; twice an E2M1 value against half its scale), each within one unit;
+    within [-16, 16]: code - zero; twice an E2M1 value against half its scale; 128 for Q8_0's int8
+    codes), each within one unit;
     the activations are integers on d_t = amax_t / 32639, within half a unit. So the error is at most
     W / 32639 sum_k |x_k| + amax_t / 65278 sum_k |w_k| + K 2^14 U d_t (the dropped product of the two
     low digits, each at most 128) + 5 fp32 roundings of the int32 sums' conversion and scaling, each
