@@ -36,7 +36,7 @@ namespace {
 
 // code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
 // superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes);
-// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same tiles)
+// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same tiles);
 enum NibbleKind {
   kNibbleEight = 0,
   kNibbleZeros = 1,
@@ -45,6 +45,7 @@ enum NibbleKind {
   kNibbleQ4K = 4,
   kNibbleQ5K = 5,
   kByteQ8_0 = 6,
+  kSixBitQ6K = 7,  // GGUF Q6_K superblocks (w = d * sc * (code - 32), a scale per 16): the digit tiles only
 };
 constexpr bool has_min(int decode) { return decode == kNibbleQ4K || decode == kNibbleQ5K; }
 
@@ -502,7 +503,7 @@ void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, co
 
 // A projection's code decoding and scale kind as compile-time values: with_nibble_kind(p, run) calls
 // run(NibbleCase<Decode, Kind>{}), one list of the cases for both code tile GEMMs (CodeTiles: the bf16
-// code tiles, which also take Q5_K; the digit GEMM does not, tile_path.h: tile_digits).
+// code tiles, which also take Q5_K; the digit GEMM does not, and takes Q6_K, which the code tiles do not).
 template <int D, int S>
 struct NibbleCase {
   static constexpr int decode = D, kind = S;
@@ -515,6 +516,8 @@ void with_nibble_kind(const Proj& p, Run&& run) {
   if (p.method == kQ8_0) return run(NibbleCase<kByteQ8_0, kScaleF16>{});
   if constexpr (CodeTiles) {
     if (p.method == kQ5K) return run(NibbleCase<kNibbleQ5K, kScaleF16>{});
+  } else {
+    if (p.method == kQ6K) return run(NibbleCase<kSixBitQ6K, kScaleF16>{});
   }
   if (p.z) {
     if (p.scale_kind == kScaleF16) return run(NibbleCase<kNibbleZeros, kScaleF16>{});
@@ -750,9 +753,13 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
 // |v| 2^(shift - 15) / 2 <= 1/2 and VPMULHRSW's by 1/2: |q U - w| <= U. A dot product's error is then
 // at most sum_k (|x_k| W / 32639 + |w_k| amax_t / 65278) + K 2^14 W amax_t / 32639^2 (activations'
 // half unit, the dropped term), ~6e-5 of K W amax_t at most: the int16 level of the AVX-512 GEMVs.
-// Q8_0's int8 codes (|v| <= 128) go in as v << 8, which VPMULHRSW by b_g turns into round(v b_g / 128).
+// Q8_0's int8 codes (|v| <= 128) go in as v << 8, which VPMULHRSW by b_g turns into round(v b_g / 128);
+// Q6_K's code - 32 (|v| <= 32) as v << 10, round(v b_g / 32).
 constexpr int digit_shift(int decode) {
-  return decode == kByteQ8_0 ? 8 : decode == kNibbleEight || decode == kNibbleQ4_0 ? 12 : 11;
+  return decode == kByteQ8_0    ? 8
+         : decode == kSixBitQ6K ? 10
+         : decode == kNibbleEight || decode == kNibbleQ4_0 ? 12
+                                                          : 11;
 }
 
 // v << shift by table index: the code itself (code - 8; twice an E2M1 value), or for codes with zero
@@ -766,11 +773,18 @@ inline __m512i digit_table() {
   return _mm512_load_si512(t);
 }
 
-// A row's scales as fp32, one a step of its blocks (Q4_0, Q8_0: each block's d; the others: each group's) into sc[G].
+// A row's scales as fp32, one a step of its blocks (Q4_0, Q8_0: each block's d; Q6_K: d * sc of each 16;
+// the others: each group's) into sc[G].
 template <int Decode, int Kind>
 inline void digit_row_scales(const uint8_t* row, const uint8_t* s, int G, float* sc) {
   int g = 0;
-  if constexpr (Decode == kNibbleQ4_0 || Decode == kByteQ8_0) {
+  if constexpr (Decode == kSixBitQ6K) {  // a superblock: ql[128], qh[64], 16 int8 scales, fp16 d (210 bytes)
+    for (; g < G; g += 16) {
+      const uint8_t* sb = row + int64_t(g / 16) * 210;
+      const __m512 sc16 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192))));
+      _mm512_storeu_ps(sc + g, _mm512_mul_ps(sc16, _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(sb + 208)))));
+    }
+  } else if constexpr (Decode == kNibbleQ4_0 || Decode == kByteQ8_0) {
     constexpr int block = Decode == kNibbleQ4_0 ? 18 : 34;
     for (; g < G; ++g) sc[g] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(row + int64_t(g) * block));
   } else if constexpr (Kind == kScaleBF16 || Kind == kScaleF16) {
@@ -843,6 +857,18 @@ inline void q8_0_step_digits(const uint8_t* block, const int32_t* bb, int g, __m
   _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
   _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
 }
+// A Q6_K step: 64 codes in k order (two vectors of 32 from q6k_codes, 16-weight groups g .. g + 3) as
+// the words q = VPMULHRSW((code - 32) << 10, b_g) = round((code - 32) b_g / 32), split as Q8_0's.
+inline void q6k_step_digits(__m256i c0, __m256i c1, const int32_t* bb, int g, __m512i even, int8_t* lo, int8_t* hi) {
+  const auto words = [&](__m256i c, int g2) {
+    const __m512i v = _mm512_slli_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(c), _mm512_set1_epi16(32)), 10);
+    const __m512i b = _mm512_mask_set1_epi32(_mm512_set1_epi32(bb[g2]), 0xFF00, bb[g2 + 1]);  // words 16-31: g2 + 1
+    return digit_words(_mm512_mulhrs_epi16(v, b));
+  };
+  const __m512i q0 = words(c0, g), q1 = words(c1, g + 2);
+  _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
+  _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
+}
 // Byte i: 2 i, the VPERMT2B index of word i's low byte across two vectors.
 inline __m512i even_byte_index() {
   alignas(64) int8_t t[64];
@@ -910,9 +936,9 @@ inline __m512i q4k_step_table(const float* s, const float* m, int g) {
 template <int Decode, int Kind>
 void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
   const int K = p.k;
-  // scales a block (sub-block) of 32
-  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K || Decode == kByteQ8_0;
-  const int step = blocks32 ? 32 : p.group, G = (K + step - 1) / step;
+  // scales inside the blocks: one a block (sub-block) of 32, Q6_K's one a 16
+  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K || Decode == kByteQ8_0 || Decode == kSixBitQ6K;
+  const int step = Decode == kSixBitQ6K ? 16 : blocks32 ? 32 : p.group, G = (K + step - 1) / step;
   const int gshift = __builtin_ctz(unsigned(step));  // groups: 32 times powers of two (bindings.cpp)
   const __m512i table = digit_table<Decode>();
   // word i of a step's base: code i & 15's table value (kNibbleZeros: index code + 16 - zero, per half)
@@ -923,6 +949,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
   const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
   const int64_t row_bytes = Decode == kNibbleQ4_0   ? int64_t(K / 32) * 18
                             : Decode == kByteQ8_0  ? int64_t(K / 32) * 34
+                            : Decode == kSixBitQ6K ? int64_t(K / 256) * 210
                             : Decode == kNibbleQ4K ? int64_t(K / 256) * 144
                                                    : K / 2;
   thread_local std::vector<float> sc, mins;   // the groups' scales (Q4_K: s'), Q4_K's m'
@@ -956,7 +983,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       // The scales 16 groups at a time: 16-bit ones straight from their words, twice, the others
       // (Q4_0's inside its blocks, e8m0) through sc. (The store of the scales and their masked reload
       // stalled each row's setup: perf, int4 layer at 512 tokens; in-process ~2 ms of 73.)
-      constexpr bool direct = Decode != kNibbleQ4_0 && Decode != kByteQ8_0 && (Kind == kScaleBF16 || Kind == kScaleF16);
+      constexpr bool direct = !blocks32 && (Kind == kScaleBF16 || Kind == kScaleF16);
       if constexpr (!direct) digit_row_scales<Decode, Kind>(row, s, G, sc.data());
       const auto scales = [&](int g, __mmask16 m) {
         if constexpr (!direct) return _mm512_maskz_loadu_ps(m, sc.data() + g);
@@ -992,6 +1019,18 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       for (int k = 0; k < K; k += 64) {
         prefetch_lines(next + int64_t(k / 32) * 34, 68);
         q8_0_step_digits(row + int64_t(k / 32) * 34, bb.data(), k / 32, even, lo + k, hi + k);
+      }
+      continue;
+    }
+    if constexpr (Decode == kSixBitQ6K) {
+      const __m512i even = even_byte_index();
+      for (int k = 0; k < K; k += 128) {  // a half superblock: two steps
+        const uint8_t* sb = row + int64_t(k / 256) * 210;
+        const int half = (k % 256) / 128;
+        __m256i c[4];
+        q6k_codes(sb + 64 * half, sb + 128 + 32 * half, c);
+        q6k_step_digits(c[0], c[1], bb.data(), k / 16, even, lo + k, hi + k);
+        q6k_step_digits(c[2], c[3], bb.data(), k / 16 + 4, even, lo + k + 64, hi + k + 64);
       }
       continue;
     }

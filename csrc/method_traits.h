@@ -64,8 +64,18 @@ static_assert(sizeof(BlockIQ4XS) == 136, "ggml block sizes");
 // codes, Q8_0's int8 ones), the K-quants' with a min term that needs the activations' sums over each
 // block of 32; or, where K is a multiple of 64, its weights scaled into two int8 digits a weight on
 // TDPBSSD (gemm_digits_t; the bf16 code tiles otherwise; kTileCodesMinDigits: the bf16 code tiles with
-// the min term where they run, as HETMOE_AMX_4BIT=codes asks: Q4_K, whose mins go into its digits).
-enum TileCodes : int { kTileCodesNone = 0, kTileCodes = 1, kTileCodesMin = 2, kTileCodesDigits = 3, kTileCodesMinDigits = 4 };
+// the min term where they run, as HETMOE_AMX_4BIT=codes asks: Q4_K, whose mins go into its digits;
+// kTileDigitsOnly: the digits, or dequantized panels where they do not run: Q6_K, a scale a 16).
+enum TileCodes : int {
+  kTileCodesNone = 0,
+  kTileCodes = 1,
+  kTileCodesMin = 2,
+  kTileCodesDigits = 3,
+  kTileCodesMinDigits = 4,
+  kTileDigitsOnly = 5,
+};
+// Whether a method's codes go into the bf16 code tiles where its digits do not run.
+constexpr bool has_code_tiles(int tile_codes) { return tile_codes != kTileCodesNone && tile_codes != kTileDigitsOnly; }
 
 struct MethodTraits {
   Method method;
@@ -86,7 +96,7 @@ constexpr MethodTraits kMethodTraits[] = {
     {kMXFP4, "mxfp4", 2, 1, 4.25, kActPairs, false, 32, kTileCodesDigits},
     {kFP8, "fp8", 1, 1, 8, kActNone, false, 32, kTileCodesNone},
     {kQ4K, "gguf:q4_k", 256, int(sizeof(BlockQ4K)), 4.5, kActQuadsK, true, 256, kTileCodesMinDigits},
-    {kQ6K, "gguf:q6_k", 256, int(sizeof(BlockQ6K)), 6.5625, kActQuadsQ6K, true, 256, kTileCodesNone},
+    {kQ6K, "gguf:q6_k", 256, int(sizeof(BlockQ6K)), 6.5625, kActQuadsQ6K, true, 256, kTileDigitsOnly},
     {kQ5K, "gguf:q5_k", 256, int(sizeof(BlockQ5K)), 5.5, kActQuadsK, true, 256, kTileCodesMin},
     {kIQ4XS, "gguf:iq4_xs", 256, int(sizeof(BlockIQ4XS)), 4.25, kActQuadsHalves, true, 256, kTileCodesNone},
     {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalves, true, 32, kTileCodesDigits},

@@ -1,8 +1,8 @@
 // The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
 // MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
 // weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and
-// so are int8 codes (on int8 tiles); 4-bit weights and Q8_0's become two int8 digits a weight with their
-// scales inside (int4, gptq, Q4_0, Q4_K, mxfp4, Q8_0), or, where K is not a multiple of 64, enter bf16
+// so are int8 codes (on int8 tiles); 4-bit weights, Q6_K's and Q8_0's become two int8 digits a weight with
+// their scales inside (int4, gptq, Q4_0, Q4_K, mxfp4, Q6_K, Q8_0), or, where K is not a multiple of 64, enter bf16
 // tiles as their exact integer codes, the scales applied after each group's products (and so Q5_K's
 // always); every other method is dequantized to
 // an fp32 panel by its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5
@@ -32,7 +32,7 @@ inline bool tile_int8(const KernelTable* kt, const Proj& p) {
   return kt->amx_gemm_i8 && p.method == kInt8 && p.scale_kind == kScaleF32 && p.s_row_div == 1 && p.k % 64 == 0;
 }
 
-// 4-bit and Q8_0 rows whose traits row has kTileCodesDigits, K a multiple of 64 (a TDPBSSD step) and at most 2^16
+// 4-bit, Q6_K and Q8_0 rows whose traits row takes the digits, K a multiple of 64 (a TDPBSSD step) and at most 2^16
 // (the int32 accumulators sum two products of |127 * 128| a k): as two int8 digits a weight on TDPBSSD
 // against the activations' digits (amx_gemm_digits); K short of a 64 multiple takes the bf16 code tiles.
 // HETMOE_AMX_4BIT=codes keeps them all on the bf16 code tiles (read once: the A/B the benchmarks ran).
@@ -42,8 +42,9 @@ inline bool tile_digits(const KernelTable* kt, const Proj& p) {
     return env && std::strcmp(env, "codes") == 0;
   }();
   const int codes = method_traits(p.method).tile_codes;
-  return kt->amx_gemm_digits && !codes_only && (codes == kTileCodesDigits || codes == kTileCodesMinDigits) &&
-         p.k % 64 == 0 && p.k <= 65536;
+  return kt->amx_gemm_digits && !codes_only &&
+         (codes == kTileCodesDigits || codes == kTileCodesMinDigits || codes == kTileDigitsOnly) && p.k % 64 == 0 &&
+         p.k <= 65536;
 }
 // Whether a projection's rows run on the bf16 code tiles with a min term (the activations' block sums).
 inline bool tile_codes_with_min(const KernelTable* kt, const Proj& p) {
@@ -184,7 +185,7 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
       kt->amx_gemm_digits(p, e, r0, R, x.q_hi, x.q_lo, x.q_d, x.T, out, ldc);
       continue;
     }
-    if (kt->amx_gemm_nibble && method_traits(p.method).tile_codes != kTileCodesNone) {
+    if (kt->amx_gemm_nibble && has_code_tiles(method_traits(p.method).tile_codes)) {
       kt->amx_gemm_nibble(p, e, r0, R, x.hi, x.lo, x.T, x.sums, out, ldc);
       continue;
     }

@@ -149,7 +149,20 @@ def test_split_keeps_fp32_accuracy(isa: str, R: int, T: int, K: int) -> None:
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the hardware variant is not run here")
 @pytest.mark.parametrize(
-    "method", ["bf16", "int8", "int4", "mxfp4", "fp8", "gguf:q4_k", "gguf:q5_k", "gguf:q8_0", "gguf:q4_0", "gguf:q5_0"]
+    "method",
+    [
+        "bf16",
+        "int8",
+        "int4",
+        "mxfp4",
+        "fp8",
+        "gguf:q4_k",
+        "gguf:q5_k",
+        "gguf:q6_k",
+        "gguf:q8_0",
+        "gguf:q4_0",
+        "gguf:q5_0",
+    ],
 )
 def test_engines_on_hardware_tiles_equal_the_emulator(method: str) -> None:
     """Whole MoE layers (every expert on the tile path) and linears, hardware against emulator."""
@@ -246,6 +259,29 @@ def _check_code_tiles(isa: str, method: str, params: dict, K: int) -> None:
     assert float(((got - ref).abs() / scale).max()) <= bound
 
 
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_q6k_without_its_digits_takes_the_panels(isa: str) -> None:
+    """Q6_K has no bf16 code tiles: under HETMOE_AMX_4BIT=codes (no digit tiles) its rows go through
+    dequantized fp32 panels split into bf16 hi + lo, as do the methods without a tile path. Per
+    element, relative to sum_k |w x| against float64 of the codec's fp32 weights: the two splits drop
+    at most 3 * 2^-18 of a product, the fp32 chains add at most K / 2 + 2 roundings of 2^-24, and the
+    panel's weight d * sc * (code - 32) may round differently from the codec's (one more 2^-24 of
+    each |w|, on both sides: 2)."""
+    env = {**os.environ, "HETMOE_AMX_4BIT": "codes", "HETMOE_TUNE": "0"}
+    code = f"import test_amx; test_amx._check_panels({isa!r}, 'gguf:q6_k', 768)"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=Path(__file__).parent, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def _check_panels(isa: str, method: str, K: int) -> None:
+    _q, x, w, got, ref = _tile_linear(isa, method, {}, K)
+    scale = x.double().abs() @ w.abs().T
+    bound = 3 * 2.0**-18 + (K / 2 + 2 + 2) * 2.0**-24
+    assert float(((got - ref).abs() / scale).max()) <= bound
+
+
 def _q4k_row_reach(q: QuantizedTensor) -> torch.Tensor:
     """Each Q4_K row's largest |w| any codes could give: its weights dequantized with every code 0 and
     with every code 15 (the codec's own arithmetic, fp32), the larger magnitude of the two, per row."""
@@ -264,6 +300,11 @@ def _q4k_row_reach(q: QuantizedTensor) -> torch.Tensor:
 def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
     """Each row's largest |scale| as the format stores it (mxfp4: 2^(e - 127), the E2M1 values' own)."""
     t = q.tensors
+    if q.method == "gguf:q6_k":  # 210-byte superblocks: 16 int8 scales at byte 192, fp16 d at 208
+        blocks = t[".weight"].view(q.shape[0], -1, 210)
+        sc = blocks[:, :, 192:208].contiguous().view(torch.int8).double()
+        d = blocks[:, :, 208:210].contiguous().view(torch.float16).double()
+        return (sc * d).abs().amax(dim=(1, 2))
     if q.method in ("gguf:q4_0", "gguf:q8_0"):
         block = 18 if q.method == "gguf:q4_0" else 34
         d = t[".weight"].view(q.shape[0], -1, block)[:, :, :2].contiguous().view(torch.float16)
@@ -286,16 +327,17 @@ def _row_scale_max(q: QuantizedTensor) -> torch.Tensor:
         ("gptq", {"group_size": 128, "sym": False}, 640, 16),
         ("gguf:q4_0", {}, 640, 8),
         ("gguf:q8_0", {}, 640, 128),  # int8 codes, |v| <= 128
+        ("gguf:q6_k", {}, 768, 32),  # code - 32 in [-32, 31], a scale (d * sc) per 16 weights
         ("mxfp4", {}, 640, 8),
         ("gguf:q4_k", {}, 768, 0),
     ],
 )
 def test_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K: int, span: int) -> None:
-    """4-bit rows and Q8_0's as two int8 digits a weight on TDPBSSD (kernels_amx.cpp, gemm_digits_t), against
+    """4-bit rows, Q6_K's and Q8_0's as two int8 digits a weight on TDPBSSD (kernels_amx.cpp, gemm_digits_t), against
     float64, per element. A row's weights become integers on one unit U = W / 32639, where W is
     `span` times the row's largest |scale| (8 where the code values are within [-8, 8], 16 where
-    within [-16, 16]: code - zero; twice an E2M1 value against half its scale; 128 for Q8_0's int8
-    codes), each within one unit;
+    within [-16, 16]: code - zero; twice an E2M1 value against half its scale; 32 for Q6_K's code - 32;
+    128 for Q8_0's int8 codes), each within one unit;
     the activations are integers on d_t = amax_t / 32639, within half a unit. So the error is at most
     W / 32639 sum_k |x_k| + amax_t / 65278 sum_k |w_k| + K 2^14 U d_t (the dropped product of the two
     low digits, each at most 128) + 5 fp32 roundings of the int32 sums' conversion and scaling, each
