@@ -13,6 +13,11 @@ What is compared (``rel(a, b) = max|a - b| / max|b|`` over all logits):
   quantization (its integer dot products with the Q8_0/Q4_0 codes) differ: rel <= 5e-5 (measured:
   5e-7 to 1.1e-5, the most with DeepSeek's routed_scaling_factor 2.5); with the experts on the torch
   fallback, which dequantizes exactly, rel <= 1e-6 (measured: 0, bit-identical to transformers).
+  These run on the vector kernels (conftest.py: vector_arithmetic), which use the stored codes as
+  they are for any number of tokens. On AMX a prompt's Q4_0, Q8_0 and Q6_K rows also move onto a
+  row-wide int16 grid (the int8 digit tiles, each weight within 1/32639 of its row's range), another
+  arithmetic: whole models measured 6e-5 to 9e-5 there, and tests/test_amx.py holds the tiles to
+  their own stated bounds and to the emulator.
 - the default bf16 model: transformers rounds to bf16 after every op and hetmoe's engine only at the
   end of a layer, so neither is "the" answer (transformers' own bf16 run is ~1e-2 from fp32): hetmoe's
   distance to the fp32 reference must be at most transformers' bf16 distance x 1.25 plus one bf16 ulp,
@@ -70,6 +75,9 @@ EXPERT_TYPES = [(Q.Q8_0, Q.Q4_0, Q.Q8_0), (Q.Q4_0, Q.Q8_0, Q.Q4_0)]
 GPT_OSS_EXPERT_TYPES = [(Q.MXFP4, Q.MXFP4, Q.MXFP4), (Q.MXFP4, Q.Q8_0, Q.MXFP4)]
 # Non-expert tensors: norms and vectors F32 (as llama.cpp keeps them), these leaves as given, the rest Q8_0.
 LEAF_TYPES = {"attn_q": Q.F16, "attn_k": Q.BF16, "ffn_gate_inp": Q.F32, "attn_kv_a_mqa": Q.BF16}
+
+# The float32 comparisons' arithmetic: the codes as stored at every token count (the module's docstring).
+ONE_ARITHMETIC = pytest.mark.usefixtures("vector_arithmetic")
 
 
 # DeepSeek-V3's rope scaling, shrunk to the tiny model's context (mscale == mscale_all_dim, as released).
@@ -543,6 +551,7 @@ def _add_tokenizer(writer: Any, directory: Path) -> None:
         "olmoe",
     ],
 )
+@ONE_ARITHMETIC
 def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_kv_b: bool, tmp_path: Path) -> None:
     model = random_model(model_type, **overrides)
     path = tmp_path / "model.gguf"
@@ -572,6 +581,7 @@ def test_gguf_logits_match_transformers(model_type: str, overrides: dict, split_
     assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
 
 
+@ONE_ARITHMETIC
 def test_qwen3next_gguf_logits_match_transformers(tmp_path: Path) -> None:
     """Qwen3-Next as conversion/qwen.py writes it (its transforms undone by the reader): a delta-net
     layer and a full-attention layer by ``attention.recurrent_layers`` (the file's interval of 4 says
@@ -620,6 +630,7 @@ def test_qwen3next_gguf_logits_match_transformers(tmp_path: Path) -> None:
     assert load_model(older, dtype=torch.float32).config.layer_types == ["linear_attention", "full_attention"]
 
 
+@ONE_ARITHMETIC
 def test_gpt_oss_gguf_logits_match_transformers(tmp_path: Path) -> None:
     """gpt-oss as llama.cpp's converter writes it: MXFP4 experts (one layer's up projection Q8_0) with
     their biases, the router's bias, biased attention with a sink per head, sliding-window (16) and full
@@ -661,6 +672,7 @@ def test_gpt_oss_gguf_logits_match_transformers(tmp_path: Path) -> None:
     assert got16 <= 1.25 * theirs16 + 2**-8, (got16, theirs16)
 
 
+@ONE_ARITHMETIC
 @pytest.mark.parametrize("qk_type", ["F16", "Q8_0"])
 def test_mixtral_gguf_logits_match_transformers(qk_type: str, monkeypatch, tmp_path: Path) -> None:
     """Mixtral as llama.cpp files it (arch llama with experts): q and k rows permuted by the converter
@@ -695,6 +707,7 @@ def test_gpt_oss_sliding_pattern_from_metadata(tmp_path: Path) -> None:
         load_model(path, device="cpu")
 
 
+@ONE_ARITHMETIC
 def test_glm4moe_prediction_block_is_left_unread(tmp_path: Path) -> None:
     """GLM-4-MoE files carry their multi-token-prediction block after the decoder layers, counted in
     block_count and named by nextn_predict_layers (convert_hf_to_gguf's Glm4MoeModel): the model is
