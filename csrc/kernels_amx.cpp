@@ -36,7 +36,8 @@ namespace {
 
 // code - 8, code - z[g], E2M1; GGUF Q4_0 blocks (fp16 d inside, code - 8, low nibbles k 0-15); GGUF Q4_K
 // superblocks (w = d * sc * code - dmin * m per sub-block of 32), and Q5_K's (the same with 5-bit codes);
-// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same tiles);
+// GGUF Q8_0 blocks (fp16 d inside, 32 int8 codes in k order: bytes, not nibbles, on the same tiles); GGUF
+// Q6_K superblocks (6-bit codes, on the digit tiles only)
 enum NibbleKind {
   kNibbleEight = 0,
   kNibbleZeros = 1,
@@ -736,7 +737,7 @@ void amx_gemm_i8(const int8_t* w, int64_t w_stride, const float* w_scale, int R,
   tile_release();
 }
 
-// ---- 4-bit rows on int8 tiles (int4 sym/asym, gptq, GGUF Q4_0, Q4_K, mxfp4), and Q8_0's: two weight digits on TDPBSSD ----
+// ---- 4-bit rows on int8 tiles (int4 sym/asym, gptq, GGUF Q4_0, Q4_K, mxfp4), Q6_K's and Q8_0's: two weight digits ----
 // The bf16 path above applies each group's scale after that group's tile products: at groups of 32, a
 // C tile store and a multiply-add per C row every 32 k, as long as the products themselves. Here the
 // scales go into the weights before the tiles: a row's weights w = s_g * v (v the code value) become

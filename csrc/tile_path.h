@@ -1,12 +1,12 @@
 // The engines' GEMM path on AMX tiles (the table's amx_* kernels, kernels_amx.cpp), shared by
 // MoEEngine and LinearEngine: an item's activation rows are packed into B tiles once, then its
 // weight rows go kAmxRows at a time through the tile GEMMs. bf16 weights are A tiles as stored, and
-// so are int8 codes (on int8 tiles); 4-bit weights, Q6_K's and Q8_0's become two int8 digits a weight with
-// their scales inside (int4, gptq, Q4_0, Q4_K, mxfp4, Q6_K, Q8_0), or, where K is not a multiple of 64, enter bf16
-// tiles as their exact integer codes, the scales applied after each group's products (and so Q5_K's
-// always); every other method is dequantized to
-// an fp32 panel by its dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5
-// accuracy: kernels_amx.cpp).
+// so are int8 codes (on int8 tiles); 4-bit weights, Q6_K's and Q8_0's become two int8 digits a weight
+// with their scales inside (int4, gptq, Q4_0, Q4_K, mxfp4, Q6_K, Q8_0), or, where K is not a multiple
+// of 64, enter bf16 tiles as their exact integer codes, the scales applied after each group's
+// products (and so Q5_K's always); every other method is dequantized to an fp32 panel by its
+// dequant_rows kernel and split into bf16 hi and lo rows (the split keeps ~1e-5 accuracy:
+// kernels_amx.cpp).
 //
 // Compiled with the baseline flags only, like engine_common.h.
 #pragma once
@@ -35,7 +35,8 @@ inline bool tile_int8(const KernelTable* kt, const Proj& p) {
 // 4-bit, Q6_K and Q8_0 rows whose traits row takes the digits, K a multiple of 64 (a TDPBSSD step) and at most 2^16
 // (the int32 accumulators sum two products of |127 * 128| a k): as two int8 digits a weight on TDPBSSD
 // against the activations' digits (amx_gemm_digits); K short of a 64 multiple takes the bf16 code tiles.
-// HETMOE_AMX_4BIT=codes keeps them all on the bf16 code tiles (read once: the A/B the benchmarks ran).
+// HETMOE_AMX_4BIT=codes keeps them all on the bf16 code tiles, Q6_K (which has none) on dequantized
+// panels (read once: the A/B the benchmarks ran).
 inline bool tile_digits(const KernelTable* kt, const Proj& p) {
   static const bool codes_only = [] {
     const char* env = std::getenv("HETMOE_AMX_4BIT");
