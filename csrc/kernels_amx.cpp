@@ -850,13 +850,24 @@ inline __m512i digit_step_table(__m512i base, const int32_t* bb, int g0, int g1)
 // A Q8_0 step: two blocks' 32 int8 codes each (at `block` and block + 34, after their fp16 d) as the
 // words q = VPMULHRSW(v << 8, b_g) = round(v b_g / 128), split by two VPERMT2B into the 64 lo digits
 // (even bytes of digit_words) and the 64 hi digits (odd bytes) in k order.
+// Byte i: 2 i, the VPERMT2B index of word i's low byte across two vectors.
+inline __m512i even_byte_index() {
+  alignas(64) int8_t t[64];
+  for (int i = 0; i < 64; ++i) t[i] = int8_t(2 * i);
+  return _mm512_load_si512(t);
+}
+// A step's 64 digit words (digit_words: 32 in q0, 32 in q1, k order) as its 64 lo digits (even bytes)
+// and 64 hi digits (odd bytes); even: even_byte_index().
+inline void store_step_digits(__m512i q0, __m512i q1, __m512i even, int8_t* lo, int8_t* hi) {
+  _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
+  _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
+}
 inline void q8_0_step_digits(const uint8_t* block, const int32_t* bb, int g, __m512i even, int8_t* lo, int8_t* hi) {
   const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)));
   const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 36)));
   const __m512i q0 = digit_words(_mm512_mulhrs_epi16(_mm512_slli_epi16(v0, 8), _mm512_set1_epi32(bb[g])));
   const __m512i q1 = digit_words(_mm512_mulhrs_epi16(_mm512_slli_epi16(v1, 8), _mm512_set1_epi32(bb[g + 1])));
-  _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
-  _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
+  store_step_digits(q0, q1, even, lo, hi);
 }
 // A Q6_K step: 64 codes in k order (two vectors of 32 from q6k_codes, 16-weight groups g .. g + 3) as
 // the words q = VPMULHRSW((code - 32) << 10, b_g) = round((code - 32) b_g / 32), split as Q8_0's.
@@ -866,15 +877,7 @@ inline void q6k_step_digits(__m256i c0, __m256i c1, const int32_t* bb, int g, __
     const __m512i b = _mm512_mask_set1_epi32(_mm512_set1_epi32(bb[g2]), 0xFF00, bb[g2 + 1]);  // words 16-31: g2 + 1
     return digit_words(_mm512_mulhrs_epi16(v, b));
   };
-  const __m512i q0 = words(c0, g), q1 = words(c1, g + 2);
-  _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
-  _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
-}
-// Byte i: 2 i, the VPERMT2B index of word i's low byte across two vectors.
-inline __m512i even_byte_index() {
-  alignas(64) int8_t t[64];
-  for (int i = 0; i < 64; ++i) t[i] = int8_t(2 * i);
-  return _mm512_load_si512(t);
+  store_step_digits(words(c0, g), words(c1, g + 2), even, lo, hi);
 }
 
 // Q4_K rows on the digit grid. A weight is w = s_g c - m_g (s_g = d sc_g and m_g = dmin m_g, both exact
@@ -938,8 +941,8 @@ template <int Decode, int Kind>
 void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
   const int K = p.k;
   // scales inside the blocks: one a block (sub-block) of 32, Q6_K's one a 16
-  constexpr bool blocks32 = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K || Decode == kByteQ8_0 || Decode == kSixBitQ6K;
-  const int step = Decode == kSixBitQ6K ? 16 : blocks32 ? 32 : p.group, G = (K + step - 1) / step;
+  constexpr bool inner_scales = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K || Decode == kByteQ8_0 || Decode == kSixBitQ6K;
+  const int step = Decode == kSixBitQ6K ? 16 : inner_scales ? 32 : p.group, G = (K + step - 1) / step;
   const int gshift = __builtin_ctz(unsigned(step));  // groups: 32 times powers of two (bindings.cpp)
   const __m512i table = digit_table<Decode>();
   // word i of a step's base: code i & 15's table value (kNibbleZeros: index code + 16 - zero, per half)
@@ -948,6 +951,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
                        7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi16(15));
   const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
+  const __m512i even = even_byte_index();  // the byte-coded steps' digit split (store_step_digits)
   const int64_t row_bytes = Decode == kNibbleQ4_0   ? int64_t(K / 32) * 18
                             : Decode == kByteQ8_0  ? int64_t(K / 32) * 34
                             : Decode == kSixBitQ6K ? int64_t(K / 256) * 210
@@ -970,7 +974,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
     }
     const int n = r0 + r;
     const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
-    const uint8_t* s = blocks32 ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
+    const uint8_t* s = inner_scales ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
     const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
     // this row of the next block (the next call's), fetched while this block's tiles run
     // Q8_0's 34 lines a row (K = 2048) in one burst stalled on the line fill buffers: its step loop
@@ -984,7 +988,7 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       // The scales 16 groups at a time: 16-bit ones straight from their words, twice, the others
       // (Q4_0's inside its blocks, e8m0) through sc. (The store of the scales and their masked reload
       // stalled each row's setup: perf, int4 layer at 512 tokens; in-process ~2 ms of 73.)
-      constexpr bool direct = !blocks32 && (Kind == kScaleBF16 || Kind == kScaleF16);
+      constexpr bool direct = !inner_scales && (Kind == kScaleBF16 || Kind == kScaleF16);
       if constexpr (!direct) digit_row_scales<Decode, Kind>(row, s, G, sc.data());
       const auto scales = [&](int g, __mmask16 m) {
         if constexpr (!direct) return _mm512_maskz_loadu_ps(m, sc.data() + g);
@@ -1015,7 +1019,6 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       }
     }
     if constexpr (Decode == kByteQ8_0) {
-      const __m512i even = even_byte_index();
       const uint8_t* next = row + kAmxRows * p.w_rstride;
       for (int k = 0; k < K; k += 64) {
         prefetch_lines(next + int64_t(k / 32) * 34, 68);
@@ -1024,7 +1027,6 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
       continue;
     }
     if constexpr (Decode == kSixBitQ6K) {
-      const __m512i even = even_byte_index();
       for (int k = 0; k < K; k += 128) {  // a half superblock: two steps
         const uint8_t* sb = row + int64_t(k / 256) * 210;
         const int half = (k % 256) / 128;
