@@ -565,14 +565,15 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("family"), py::arg("regime"));
   m.def(
-      "set_prefetch_nta",
-      [](int nta) {
-        if (nta < -1 || nta > 1)
-          throw py::value_error("prefetch_nta: expected 1 (non-temporal), 0 (ordinary) or -1 (this CPU's default)");
-        g_prefetch_nta = nta < 0 ? default_prefetch_nta() : nta;
+      "set_weight_prefetch",
+      [](int hint) {
+        if (hint < -1 || hint > kPrefetchT1)
+          throw py::value_error("weight prefetch: expected 0 (T0), 1 (NTA), 2 (T1) or -1 (this CPU's default), found " +
+                                std::to_string(hint));
+        g_weight_prefetch = hint < 0 ? default_weight_prefetch() : hint;
       },
-      py::arg("nta"));
-  m.def("prefetch_nta", [] { return g_prefetch_nta.load() != 0; });
+      py::arg("hint"));
+  m.def("weight_prefetch", [] { return g_weight_prefetch.load(); });
   m.def(
       "buffer_cache_stats",
       [] {

@@ -78,8 +78,8 @@ int default_int_vector_bits() {
 
 std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes] = {
     {default_int_vector_bits(), default_int_vector_bits()}, {default_int_vector_bits(), default_int_vector_bits()}};
-int default_prefetch_nta() { return cpu_features().amd ? 1 : 0; }
+int default_weight_prefetch() { return cpu_features().amd ? kPrefetchNta : kPrefetchT0; }
 
-std::atomic<int> g_prefetch_nta{default_prefetch_nta()};
+std::atomic<int> g_weight_prefetch{default_weight_prefetch()};
 
 }  // namespace hetmoe

@@ -24,8 +24,8 @@ const CpuFeatures& cpu_features();
 
 // The default of g_int_vector_bits (kernels.h): 512 on AMD CPUs with AVX-512, else 256.
 int default_int_vector_bits();
-// The default of g_prefetch_nta (kernels.h): non-temporal weight prefetches on AMD (measured
-// faster on Zen 5), ordinary ones elsewhere (not measured on Intel).
-int default_prefetch_nta();
+// The default of g_weight_prefetch (kernels.h) where the tuner has not chosen: non-temporal on AMD
+// (measured faster on Zen 5), T0 elsewhere.
+int default_weight_prefetch();
 
 }  // namespace hetmoe

@@ -196,9 +196,11 @@ enum IntWidthFamily : int { kWidthDigits = 0, kWidthNatural = 1, kWidthFamilies 
 enum IntWidthRegime : int { kWidthDecode = 0, kWidthPrompt = 1, kWidthRegimes = 2 };
 inline int width_family(int mode) { return mode == kActNatural ? kWidthNatural : kWidthDigits; }
 extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
-// Nonzero: the GEMVs prefetch weight rows non-temporally (kernels_common.inc: prefetch_line). Atomic
-// for the same reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
-extern std::atomic<int> g_prefetch_nta;
+// How the GEMVs prefetch the weight rows they stream (kernels_common.inc: prefetch_line): into every
+// cache level (T0), non-temporally (NTA), or into L2 and outward but not L1 (T1). Atomic for the same
+// reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
+enum WeightPrefetch : int { kPrefetchT0 = 0, kPrefetchNta = 1, kPrefetchT1 = 2 };
+extern std::atomic<int> g_weight_prefetch;
 
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();

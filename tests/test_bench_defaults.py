@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hetmoe.bench.defaults import BOUND, Config, DefaultsConfig, candidates, format_table, run_defaults
-from hetmoe.kernels.dispatch import engine_module, int_vector_widths
+from hetmoe.kernels.dispatch import engine_module, int_vector_widths, weight_prefetch
 from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
 from hetmoe.runtime.tuning import TOKENS_PER_EXPERT
 
@@ -19,9 +19,9 @@ def test_candidates_are_the_tuners_choices_once_each() -> None:
     assert got[0] == default and len(set(got)) == len(got)
     switches = {c.gemv_max for c in got}
     assert switches == {0, GEMV_ALL_TOKENS, *TOKENS_PER_EXPERT[1:]}  # every count of the grid, both paths alone
-    for switch in switches - {0}:  # where a GEMV runs: the tuned widths and each width alone, both prefetches
+    for switch in switches - {0}:  # where a GEMV runs: the tuned widths and each width alone, each prefetch
         assert {(c.bits, c.prefetch) for c in got if c.gemv_max == switch} == {
-            (b, p) for b in (0, 256, 512) for p in ("nta", "t0")
+            (b, p) for b in (0, 256, 512) for p in ("nta", "t0", "t1")
         }
     assert {c.bits for c in got if c.gemv_max == 0} == {0}  # no GEMV runs: its width changes nothing
     # bf16's GEMV has one width; AVX-512 beside AMX tiles
@@ -36,14 +36,14 @@ def test_switches_at_or_above_the_token_count_are_one_candidate() -> None:
     got = candidates("int8", default, ("avx512",), 8)
     assert {c.gemv_max for c in got[1:]} == {0, 2, 4, GEMV_ALL_TOKENS}
     assert Config("avx512", 0, "nta", GEMV_ALL_TOKENS) not in got  # the default already runs it
-    # decode: the GEMV at the tuned widths and at each width, both prefetches; or the GEMM, both prefetches
-    assert len(candidates("int8", default, ("avx512",), 1)) == 3 * 2 + 2
+    # decode: the GEMV at the tuned widths and at each width, each of 3 prefetches; or the GEMM, each prefetch
+    assert len(candidates("int8", default, ("avx512",), 1)) == 3 * 3 + 3
 
 
 @pytest.mark.skipif(not engine_module().cpu_features()["can_avx512"], reason="the 256/512-bit choice is AVX-512's")
 def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
     mod = engine_module()
-    before = (int_vector_widths(), mod.prefetch_nta(), mod.selected_isa())
+    before = (int_vector_widths(), weight_prefetch(), mod.selected_isa())
     cfg = DefaultsConfig(
         methods=("int4", "bf16"), tokens=(1, 6), reps=2, experts=8, hidden=256, intermediate=128, top_k=2
     )
@@ -62,6 +62,6 @@ def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
         # ratio of the kept times is within ~1.5e-3 of the kept ratio.
         assert r["ratio"] == pytest.approx(r["default_ms"] / r["best_ms"], rel=2e-3)
         assert r["default_spread"] >= 1.0
-    assert (int_vector_widths(), mod.prefetch_nta(), mod.selected_isa()) == before  # as it found them
+    assert (int_vector_widths(), weight_prefetch(), mod.selected_isa()) == before  # as it found them
     table = format_table(result)
     assert "worst default/best" in table and f"bound {BOUND}" in table

@@ -8,8 +8,8 @@ run, as the tuner and ``bench moe`` build it) runs under every candidate of the 
 - the kernel variant, where the CPU runs AMX tiles as well as the AVX-512 kernels;
 - the integer GEMVs' width, 256 or 512 bits (AVX-512 variants; integer methods only: bf16's GEMV is
   the same at both);
-- how the GEMVs prefetch the weights they stream, non-temporally (``nta``) or into every cache level
-  (``t0``);
+- how the GEMVs prefetch the weights they stream: into every cache level (``t0``), into L2 but not
+  L1 (``t1``) or non-temporally (``nta``);
 - the GEMV/GEMM switch (``gemv_max_tokens``): every expert on the GEMM path (0), on the GEMV path
   (every count), or the switch at each count of the tuner's grid.
 
@@ -36,7 +36,14 @@ import torch
 from ..formats.random_layout import random_projection
 from ..kernels import select_isa, set_num_threads
 from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
-from ..kernels.dispatch import engine_module, int_vector_widths, set_int_vector_bits, set_weight_prefetch
+from ..kernels.dispatch import (
+    PREFETCH_CHOICES,
+    engine_module,
+    int_vector_widths,
+    set_int_vector_bits,
+    set_weight_prefetch,
+    weight_prefetch,
+)
 from ..runtime.cpu_experts import CPUExperts, default_gemv_max
 from ..runtime.engine_layout import GEMV_ALL_TOKENS, WIDE_GEMV_METHODS, gemv_width_family
 from ..runtime.tuning import EXPERTS, HIDDEN, INTERMEDIATE, TOKENS_PER_EXPERT, TOP_K, apply_widths, choices
@@ -96,7 +103,7 @@ def candidates(method: str, default: Config, isas: tuple[str, ...], tokens: int)
     )
     out = [default]
     for isa, bits, prefetch, switch in itertools.product(
-        isas, widths, ("nta", "t0"), [effective(default.gemv_max), *switches]
+        isas, widths, PREFETCH_CHOICES, [effective(default.gemv_max), *switches]
     ):
         if switch == 0 and bits != default.bits:
             continue  # every expert on the GEMM path: no integer GEMV runs, its width changes nothing
@@ -141,7 +148,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
     mod = engine_module()
     selected = mod.selected_isa()
     # the defaults, read before any candidate changes them, and put back at the end
-    widths, prefetch = int_vector_widths(), "nta" if mod.prefetch_nta() else "t0"
+    widths, prefetch = int_vector_widths(), weight_prefetch()
     flush = CacheFlush(2 * last_level_cache_bytes())
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the runtime runs the engine: torch's OpenMP workers off the cores

@@ -10,9 +10,10 @@ at full width), 256 elsewhere (on Intel they streamed rows no faster, measured);
 each family for decode and for prompts (runtime/tuning.py); ``HETMOE_INT_VECTOR_BITS=256|512`` (all of
 them) or :func:`set_int_vector_bits` chooses.
 
-The GEMVs prefetch the weight rows they stream ahead of use, non-temporally on AMD (a row read
-once a step then stops evicting what the step reuses: measured faster on Zen 5) and with ordinary
-prefetches elsewhere; ``HETMOE_WEIGHT_PREFETCH=nta|t0`` or :func:`set_weight_prefetch` chooses.
+The GEMVs prefetch the weight rows they stream ahead of use: before tuning non-temporally on AMD (a
+row read once a step then stops evicting what the step reuses: measured faster on Zen 5) and into
+every cache level (T0) elsewhere; the tuner measures T0, T1 (into L2, not L1: the faster one on an
+AMX Xeon) and NTA; ``HETMOE_WEIGHT_PREFETCH=t0|t1|nta`` or :func:`set_weight_prefetch` chooses.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 ISA_ENV = "HETMOE_ISA"
 INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
 WEIGHT_PREFETCH_ENV = "HETMOE_WEIGHT_PREFETCH"
-_PREFETCH_HINTS = {"nta": 1, "t0": 0, "default": -1}
+_PREFETCH_HINTS = {"t0": 0, "nta": 1, "t1": 2, "default": -1}  # the engine's WeightPrefetch (kernels.h)
+PREFETCH_CHOICES = ("t0", "t1", "nta")
 _module: ModuleType | None = None
 
 
@@ -54,7 +56,7 @@ def engine_module() -> ModuleType:
         if hint:
             if hint not in _PREFETCH_HINTS:
                 raise ValueError(f"{WEIGHT_PREFETCH_ENV}={hint!r}: expected one of {sorted(_PREFETCH_HINTS)}")
-            _C.set_prefetch_nta(_PREFETCH_HINTS[hint])
+            _C.set_weight_prefetch(_PREFETCH_HINTS[hint])
         _module = _C
     return _module
 
@@ -156,16 +158,17 @@ def gemv_width_family(layout: str) -> str | None:
 
 
 def set_weight_prefetch(hint: str) -> None:
-    """How the GEMVs prefetch weight rows: ``nta`` (non-temporal), ``t0`` (into every cache level)
-    or ``default`` (nta on AMD, t0 elsewhere); applies from the next engine call. Results do not
-    change, only which caches the streamed weights pass through."""
+    """How the GEMVs prefetch weight rows: ``t0`` (into every cache level), ``t1`` (into L2 and
+    outward, not L1), ``nta`` (non-temporal) or ``default`` (nta on AMD, t0 elsewhere); applies from
+    the next engine call. Results do not change, only which caches the streamed weights pass through."""
     if hint not in _PREFETCH_HINTS:
         raise ValueError(f"weight prefetch: expected one of {sorted(_PREFETCH_HINTS)}, got {hint!r}")
-    engine_module().set_prefetch_nta(_PREFETCH_HINTS[hint])
+    engine_module().set_weight_prefetch(_PREFETCH_HINTS[hint])
 
 
 def weight_prefetch() -> str:
-    return "nta" if engine_module().prefetch_nta() else "t0"
+    """The GEMVs' weight prefetch now: ``t0``, ``t1`` or ``nta``."""
+    return {_PREFETCH_HINTS[c]: c for c in PREFETCH_CHOICES}[engine_module().weight_prefetch()]
 
 
 def isa_report() -> dict[str, Any]:

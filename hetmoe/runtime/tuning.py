@@ -7,8 +7,9 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
 - the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4-bit GEMVs on int4 and
   the int16-code ones on int8, each on decode and on 8 tokens an expert apart (the engine runs a job
   whose busiest expert has at most 4 tokens at the decode width);
-- how the GEMVs prefetch the weights they stream (non-temporal or into every cache level), on bf16,
-  int8 and int4 decode (on this Xeon non-temporal took 1.4-1.5x as long; on a Zen 5 it was faster);
+- how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1, or
+  non-temporally), on bf16, int8 and int4 decode (on an AMX Xeon non-temporal took 1.4-2x as long and
+  L2 was the fastest; on a Zen 5 non-temporal was);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them; else, for the bf16 activations timed here,
   VDPBF16PS on rows rounded to bf16 where the CPU has AVX512-BF16; else dequantized fp32 panels) at 2 to 64
@@ -42,6 +43,7 @@ from ..formats.random_layout import random_projection
 from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import (
     INT_VECTOR_BITS_ENV,
+    PREFETCH_CHOICES,
     WEIGHT_PREFETCH_ENV,
     WIDTH_FAMILIES,
     WIDTH_REGIMES,
@@ -53,11 +55,11 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 13: the AMX digit GEMMs convert their sums behind the next tile's products (the GEMV/GEMM switch
-# points move); 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
-# pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit GEMMs
-# on AMX take int8 digit tiles)
-TUNING_VERSION = 13
+# 14: the weight prefetch has a third candidate, T1; 13: the AMX digit GEMMs convert their sums behind
+# the next tile's products (the GEMV/GEMM switch points move); 12: each candidate runs with its code in
+# cache, as in a model (11: the layers it times are on huge pages, as a model's weights are; 10: the
+# integer GEMVs' width per family and regime; 9: 4-bit GEMMs on AMX take int8 digit tiles)
+TUNING_VERSION = 14
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -183,9 +185,9 @@ def tune(log=None) -> dict[str, Any]:
             set_int_vector_bits(int(env_bits))
         else:
             apply_widths(chosen)
-        # How the GEMVs prefetch the rows they stream: non-temporally or into every cache level, on
-        # decode steps of the three main families.
-        total = {"t0": 0.0, "nta": 0.0}
+        # How the GEMVs prefetch the rows they stream (dispatch.PREFETCH_CHOICES), on decode steps of
+        # the three main families.
+        total = dict.fromkeys(PREFETCH_CHOICES, 0.0)
         decoders = {
             m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("bf16", "int8", "int4")
         }
@@ -278,7 +280,7 @@ def apply(record: dict[str, Any]) -> None:
     if isinstance(widths, dict) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
         apply_widths(widths)
     hint = record.get("weight_prefetch")
-    if hint in ("t0", "nta") and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
+    if hint in PREFETCH_CHOICES and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
         set_weight_prefetch(hint)
 
 
