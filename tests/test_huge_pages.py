@@ -99,6 +99,22 @@ def test_experts_requantized_in_chunks_are_joined_on_huge_pages(monkeypatch):
 
 
 @linux_thp
+def test_fused_siblings_are_joined_on_huge_pages(monkeypatch):
+    """q/k/v or gate/up fused into one weight: a copy every decode step streams, so on huge pages
+    (on 4 KiB pages a 4-layer DeepSeek-V3-shaped model's bf16 decode measured ~3% slower), with the
+    members' rows in order."""
+    from hetmoe.formats import QuantizedTensor
+    from hetmoe.runtime.fused_linears import concat_rows
+
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    parts = [torch.randn(n, 2048).bfloat16() for n in (1024, 256, 256)]  # 6 MiB together
+    fused = concat_rows([QuantizedTensor("bf16", tuple(p.shape), {".weight": p}, {}) for p in parts])
+    joined = fused.tensors[".weight"]
+    assert torch.equal(joined, torch.cat(parts)) and fused.shape == (1536, 2048)
+    assert joined.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(joined.data_ptr())
+
+
+@linux_thp
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
 def test_a_directorys_per_expert_tensors_are_stacked_onto_huge_pages(monkeypatch, tmp_path, stored):
     """A checkpoint that stores each expert's matrices apart (Qwen3-MoE, DeepSeek, Mixtral, GLM in

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..formats import QuantizedTensor
+from ..hw import huge_pages
 from .cpu_linear import CPULinear
 
 # (the members, in order; the fused module's name on their parent)
@@ -50,7 +51,10 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | None:
             block = int(first.params.get("block_size", [128, 128])[0])
             if any(int(p.shape[0]) % block for p in parts[:-1]):
                 return None
-        tensors[suffix] = torch.cat([p.tensors[suffix] for p in parts], dim=0)
+        members = [p.tensors[suffix] for p in parts]
+        # a decode step streams these bytes: on huge pages, as a model file's are mapped (huge_pages.py)
+        out = huge_pages.empty((sum(t.shape[0] for t in members), *members[0].shape[1:]), members[0].dtype)
+        tensors[suffix] = torch.cat(members, dim=0, out=out)
     return QuantizedTensor(method, (rows, int(first.shape[1])), tensors, first.params)
 
 
