@@ -8,7 +8,7 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
   the int16-code ones on int8, each on decode and on 8 tokens an expert apart (the engine runs a job
   whose busiest expert has at most 4 tokens at the decode width);
 - how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1, or
-  non-temporally), on bf16, int8 and int4 decode (on an AMX Xeon non-temporal took 1.4-2x as long and
+  non-temporally), on bf16, int8 and int4 decode (on an AMX Xeon non-temporal took 1.3-2.4x as long and
   L2 was the fastest; on a Zen 5 non-temporal was);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them; else, for the bf16 activations timed here,
