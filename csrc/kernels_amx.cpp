@@ -847,9 +847,6 @@ inline __m512i digit_step_table(__m512i base, const int32_t* bb, int g0, int g1)
   return digit_words(_mm512_mulhrs_epi16(base, b));
 }
 
-// A Q8_0 step: two blocks' 32 int8 codes each (at `block` and block + 34, after their fp16 d) as the
-// words q = VPMULHRSW(v << 8, b_g) = round(v b_g / 128), split by two VPERMT2B into the 64 lo digits
-// (even bytes of digit_words) and the 64 hi digits (odd bytes) in k order.
 // Byte i: 2 i, the VPERMT2B index of word i's low byte across two vectors.
 inline __m512i even_byte_index() {
   alignas(64) int8_t t[64];
@@ -862,6 +859,9 @@ inline void store_step_digits(__m512i q0, __m512i q1, __m512i even, int8_t* lo, 
   _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(q0, even, q1));
   _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(q0, _mm512_or_si512(even, _mm512_set1_epi8(1)), q1));
 }
+// A Q8_0 step: two blocks' 32 int8 codes each (at `block` and block + 34, after their fp16 d) as the
+// words q = VPMULHRSW(v << 8, b_g) = round(v b_g / 128), split by two VPERMT2B into the 64 lo digits
+// (even bytes of digit_words) and the 64 hi digits (odd bytes) in k order.
 inline void q8_0_step_digits(const uint8_t* block, const int32_t* bb, int g, __m512i even, int8_t* lo, int8_t* hi) {
   const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)));
   const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 36)));

@@ -27,6 +27,7 @@ INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
 WEIGHT_PREFETCH_ENV = "HETMOE_WEIGHT_PREFETCH"
 _PREFETCH_HINTS = {"t0": 0, "nta": 1, "t1": 2, "default": -1}  # the engine's WeightPrefetch (kernels.h)
 PREFETCH_CHOICES = ("t0", "t1", "nta")
+_PREFETCH_NAMES = {_PREFETCH_HINTS[c]: c for c in PREFETCH_CHOICES}  # the engine's value -> its name
 _module: ModuleType | None = None
 
 
@@ -168,7 +169,7 @@ def set_weight_prefetch(hint: str) -> None:
 
 def weight_prefetch() -> str:
     """The GEMVs' weight prefetch now: ``t0``, ``t1`` or ``nta``."""
-    return {_PREFETCH_HINTS[c]: c for c in PREFETCH_CHOICES}[engine_module().weight_prefetch()]
+    return _PREFETCH_NAMES[engine_module().weight_prefetch()]
 
 
 def isa_report() -> dict[str, Any]:
