@@ -204,7 +204,7 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t d_ptr) {
         // For tests (tests/test_amx.py): x [T, K] (fp32, contiguous) as int8 digit B tiles hi, lo
         // (amx_packed_elems(T, K) bytes each) and scales d (16 * ceil(T / 16) floats), by amx_pack_i8 or,
-        // two_step, by amx_digit_rows a row and tile_pack_digit_rows (the MoE's path for gate and up).
+        // two_step, by amx_digit_rows a row and GroupTiles::pack_digit_rows (the MoE's path for gate and up).
         const KernelTable* kt = table_for(isa);
         if (!kt->amx_pack_i8) throw py::value_error("tile_pack_digits: '" + isa + "' has no tile kernels");
         if (T <= 0 || K <= 0 || K % 64) throw py::value_error("tile_pack_digits: T > 0, K a multiple of 64");
@@ -232,7 +232,13 @@ PYBIND11_MODULE(_C, m) {
           lr[t] = base + size_t(T + t) * K;
           kt->amx_digit_rows(rows[t], K, hr[t], lr[t], &row_d[t]);
         }
-        const engine::TileActs packed = engine::tile_pack_digit_rows(kt, hr.data(), lr.data(), row_d.data(), T, K);
+        engine::TileForms digit_forms;
+        digit_forms.digits = true;
+        engine::GroupTiles tiles;
+        tiles.plan({T}, K, digit_forms);
+        for (int j = 0; j < tiles.items(); ++j)
+          tiles.pack_digit_rows(kt, j, &hr[16 * j], &lr[16 * j], &row_d[16 * j], std::min(16, T - 16 * j));
+        const engine::TileActs packed = tiles.acts(0);
         std::memcpy(hi, packed.q_hi, n);
         std::memcpy(lo, packed.q_lo, n);
         std::memcpy(d, packed.q_d, Tp * sizeof(float));

@@ -167,7 +167,7 @@ struct KernelTable {
                       const int8_t* x_lo, const float* x_scale, int T, float* c, int ldc);
   // c[t * ldc + r] = dot(W_e[r0 + r], x[t]) for r < R (<= kAmxRows) of a projection whose traits row has
   // tile_codes (method_traits.h), its codes decoded into tiles chunk by chunk; x: amx_pack's tiles; x_sum
-  // (the K-quants' min term, else unused): tile_path.h's amx_block_sums.
+  // (the K-quants' min term, else unused): tile_path.h's TileActs::sums.
   void (*amx_gemm_nibble)(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
                           const float* x_sum, float* c, int ldc);
   // The same for a projection whose traits row has kTileCodesDigits and K a multiple of 64 (tile_path.h's

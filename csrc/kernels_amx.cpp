@@ -247,7 +247,7 @@ void amx_gemm(const uint16_t* w_hi, const uint16_t* w_lo, int64_t w_stride, int 
 // ---- 4- and 5-bit rows (int4 sym/asym, gptq repacked, GGUF Q4_0, Q4_K and Q5_K, mxfp4): codes into tiles ----
 // A 4-bit weight is w = scale_g * v with v an integer code value: code - zero (int4, Q4_0), twice an
 // E2M1 value (mxfp4, its scale halved), or the code itself (Q4_K, Q5_K: w = scale_g * code - min_g
-// has a min term, min_g times the activations' sum over the sub-block, tile_path.h's amx_block_sums,
+// has a min term, min_g times the activations' sum over the sub-block, tile_path.h's TileActs::sums,
 // subtracted where the scale is applied). |v| <= 31, so v is exact in bf16 and the weights enter the
 // tiles with no lo part: one pass against bf16 activations, two against fp32 ones (v x_hi + v x_lo).
 // Each 32-row block is decoded kNibbleChunk columns at a time into bf16 A rows that stay in L1, and
@@ -456,7 +456,7 @@ inline void add_scaled(float (*acc)[16][16], const float (*part)[16][16], const 
     }
 }
 
-// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed by amx_pack; x_sum: amx_block_sums
+// c[t * ldc + r] = dot(W_e[r0 + r], x_t) for r < R (<= 32), x packed by amx_pack; x_sum: TileActs::sums (tile_path.h)
 // (read only for Q4_K).
 template <int Decode, int Kind>
 void gemm_nibble_t(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,

@@ -25,6 +25,7 @@ struct LinearScratch {
   std::vector<uint16_t> bf16;
 };
 thread_local LinearScratch tl_linear;
+thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed tokens (LinearJob::own_tiles)
 
 class LinearJob final : public Job {
  public:
@@ -53,13 +54,23 @@ class LinearJob final : public Job {
     items_.repeat(T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
     if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T));  // the GEMM path reads fp32 rows
+    // AMX: each token chunk packed once (phase 1) for all its row items (engine::GroupTiles), or by its
+    // item where it has one (moe_engine.cpp: MoEJob's experts the same way).
+    if (!gemv_ && engine::tile_gemm(kt) && T > 0) {
+      forms_ = engine::tile_forms(kt, x_dtype_ != kBF16Data, w, w);
+      std::vector<int> counts;
+      for (int t0 = 0; t0 < T; t0 += token_chunk_) counts.push_back(std::min(token_chunk_, T - t0));
+      if (row_items > 1) x_tiles_.plan(counts, K_, forms_);
+    }
   }
 
   Phase next_phase(int index) override {
     switch (index) {
       case 0:  // activations to fp32, and to int16 blocks for integer GEMV kernels; one token an item
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone ? T_ : 0, [this](int t, int) { prepare(t); }};
-      case 1:  // output rows (and token chunks) as independent items, node by node
+      case 1:  // the tile path's token chunks packed, 16 tokens an item
+        return {x_tiles_.items(), [this](int i, int) { pack_tile(i); }};
+      case 2:  // output rows (and token chunks) as independent items, node by node
         return items_.phase([this](int i, int) { compute(i); });
       default:
         return {};
@@ -77,6 +88,27 @@ class LinearJob final : public Job {
     x_act_.quantize(kt_, x_row(t), t);
   }
 
+  // Phase 1's item: 16 of a token chunk's tokens into x_tiles_.
+  void pack_tile(int item) {
+    int chunk, row;
+    x_tiles_.locate(item, chunk, row);
+    pack(x_tiles_, item, chunk * token_chunk_ + row, std::min(16, token_chunk_ - row));
+  }
+  // Tokens [t0, t0 + n) (n <= 16, within T) as tile `item` of `tiles`.
+  void pack(engine::GroupTiles& tiles, int item, int t0, int n) const {
+    n = std::min(n, T_ - t0);
+    const float* rows[16];
+    for (int i = 0; i < n; ++i) rows[i] = x_row(t0 + i);
+    tiles.pack(kt_, item, rows, n);
+  }
+  // The chunk's tokens [t0, t1) packed by its only item, into the calling thread's tiles.
+  engine::TileActs own_tiles(int t0, int t1) const {
+    engine::GroupTiles& tiles = tl_own_tiles;
+    tiles.plan({t1 - t0}, K_, forms_);
+    for (int j = 0; j < tiles.items(); ++j) pack(tiles, j, t0 + 16 * j, std::min(16, t1 - t0 - 16 * j));
+    return tiles.acts(0);
+  }
+
   // Item i: rows [first, last) for tokens [t0, t1), into a scratch block [t1 - t0, rows_], then the
   // epilogue (bias, conversion) into y.
   void compute(int item) {
@@ -92,11 +124,9 @@ class LinearJob final : public Job {
         for (int i = 0; i < n; ++i) acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
         kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
       }
-    } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens packed once for all the item's rows
-      std::vector<const float*> rows(nt);
-      for (int i = 0; i < nt; ++i) rows[i] = x_row(t0 + i);
-      const engine::TileActs x = engine::tile_pack(kt_, rows.data(), nt, K_, x_dtype_ != kBF16Data, w_, w_);
-      engine::tile_rows(kt_, w_, 0, first, last, x, block, rows_);
+    } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens as phase 1 packed them
+      engine::tile_rows(kt_, w_, 0, first, last, x_tiles_.items() ? x_tiles_.acts(chunk) : own_tiles(t0, t1), block,
+                        rows_);
     } else if (x_dtype_ == kBF16Data && bf16_dot(kt_)) {
       // A bf16 model: VDPBF16PS on bf16 rows (other methods' dequantized and rounded, engine_common.h).
       std::vector<const uint16_t*> rows(nt);
@@ -137,10 +167,12 @@ class LinearJob final : public Job {
   void* y_;
   int y_dtype_, T_;
   bool gemv_;
-  engine::NodeRowItems items_;  // phase 1's: each node's output rows, once per token chunk
+  engine::NodeRowItems items_;  // phase 2's: each node's output rows, once per token chunk
   int N_ = 0, K_ = 0, rows_ = 0, token_chunk_ = 1;  // rows_: the largest item's
   engine::Buf<float> xf_;
   ActBuffers x_act_;
+  engine::TileForms forms_;     // what the tile GEMM reads
+  engine::GroupTiles x_tiles_;  // the token chunks packed for the tile GEMMs, a group each
 };
 
 }  // namespace

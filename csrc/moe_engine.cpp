@@ -19,7 +19,6 @@ using engine::f32_to_bf16;
 using engine::item_rows;
 using engine::sized;
 using engine::tile_gemm;
-using engine::tile_pack;
 using engine::tile_rows;
 using engine::uninit;
 
@@ -29,6 +28,7 @@ struct Scratch {
   std::vector<uint16_t> bf16_a, bf16_b;
 };
 thread_local Scratch tl_scratch;
+thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed activations (MoEJob::own_x, own_h)
 
 class MoEJob final : public Job {
  public:
@@ -62,7 +62,7 @@ class MoEJob final : public Job {
     }
     // Activations in the GEMVs' layouts only where some expert takes a GEMV (active_ is sorted by
     // count, busiest first): a prefill whose experts all take the GEMM path skips their phase-0 and
-    // phase-2 quantization.
+    // phase-3 quantization.
     const bool any_gemv = !active_.empty() && active_.back().count <= gemv_max;
     const int busiest = active_.empty() ? 0 : active_[0].count;
     const auto gemv_layout = [&](int method, int K) {
@@ -88,6 +88,20 @@ class MoEJob final : public Job {
     bf16_down_ = bf16_model && (tiles ? down.method == kBF16 : bf16_dot(kt));
     if (bf16_down_ && !tiles) hb_ = uninit<uint16_t>(size_t(S_) * I);  // tiles round as they pack
     ybuf_ = uninit<float>(size_t(S_) * H);
+    // The tile-path experts (the busiest, a prefix of active_) get their tokens and their intermediate
+    // rows packed once each, in phases 1 and 4 (engine::GroupTiles), where an expert has several items
+    // in the phase that reads them; with one, its item packs them (the tiles then stay in the cache of
+    // the core that reads them: the int4 layer at 512 tokens, one item an expert, took 66.3-67.6 ms
+    // packed in its items against 68.9-69.1 packed in a phase of their own, alternating on the AMX Xeon).
+    if (tiles) {
+      x_forms_ = engine::tile_forms(kt, x_dtype_ != kBF16Data, gate, up);
+      h_forms_ = engine::tile_forms(kt, !bf16_down_, down, down);
+      std::vector<int> counts;
+      for (const ActiveExpert& a : active_)
+        if (a.count > gemv_max) counts.push_back(a.count);
+      if (up_items_.chunks() > 1) x_tiles_.plan(counts, H, x_forms_);
+      if (down_items_.chunks() > 1) h_tiles_.plan(counts, I, h_forms_);
+    }
   }
 
   Phase next_phase(int index) override {
@@ -95,13 +109,17 @@ class MoEJob final : public Job {
       case 0:  // activations to fp32 (and int8 for integer kernels, digits for the tiles), one token an item
         return {x_dtype_ == kBF16Data || x_act_.mode != kActNone || xu_act_.mode != kActNone || xq_ ? T_ : 0,
                 [this](int t, int) { prepare_token(t); }};
-      case 1:  // gate and up, then SiLU * up, by (node, expert, block of rows of I)
+      case 1:  // the tile-path experts' tokens packed, 16 an item
+        return {x_tiles_.items(), [this](int i, int) { pack_x_tile(i); }};
+      case 2:  // gate and up, then SiLU * up, by (node, expert, block of rows of I)
         return up_items_.phase([this](int i, int) { gate_up(i); });
-      case 2:  // the intermediate activations quantized for an integer down projection (or to bf16)
+      case 3:  // the intermediate activations quantized for an integer down projection (or to bf16)
         return {h_act_.mode != kActNone || hb_ ? S_ : 0, [this](int s, int) { prepare_h(s); }};
-      case 3:  // down, by (node, expert, block of rows of H)
+      case 4:  // the tile-path experts' intermediate rows packed, 16 an item
+        return {h_tiles_.items(), [this](int i, int) { pack_h_tile(i); }};
+      case 5:  // down, by (node, expert, block of rows of H)
         return down_items_.phase([this](int i, int) { down(i); });
-      case 4:  // weighted sum of each token's expert outputs
+      case 6:  // weighted sum of each token's expert outputs
         return {T_, [this](int t, int) { combine(t); }};
       default:
         return {};
@@ -193,28 +211,65 @@ class MoEJob final : public Job {
     // two long streams (Zen 5, 1-token int4 decode from DRAM: 0.672 -> 0.620 ms, in-process A/B; int8
     // level). More tokens go a panel at a time, so a panel's rows stay in cache for the token groups.
     if (a.count <= kGemvTokens && a.count <= gemv_max_) return gate_up_panel(a, first, last);
-    if (a.count > gemv_max_ && tile_gemm(kt_)) return gate_up_tiles(a, first, last);
+    if (a.count > gemv_max_ && tile_gemm(kt_))
+      return gate_up_tiles(a, x_tiles_.items() ? x_tiles_.acts(active) : own_x(a), first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) gate_up_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 
-  // AMX: the expert's tokens packed once for the item, then gate and up kAmxRows rows at a time.
-  void gate_up_tiles(const ActiveExpert& a, int first, int last) {
-    engine::TileActs x;
+  // Phase 1's item: 16 of a tile-path expert's tokens into x_tiles_.
+  void pack_x_tile(int item) {
+    int g, row;
+    x_tiles_.locate(item, g, row);
+    pack_x(x_tiles_, item, active_[g], row);
+  }
+  // Phase 4's item: 16 of a tile-path expert's intermediate rows into h_tiles_.
+  void pack_h_tile(int item) {
+    int g, row;
+    h_tiles_.locate(item, g, row);
+    pack_h(h_tiles_, item, active_[g], row);
+  }
+  // An expert's tokens (or intermediate rows) packed by its only item, into the calling thread's tiles.
+  engine::TileActs own_x(const ActiveExpert& a) {
+    engine::GroupTiles& tiles = tl_own_tiles;
+    tiles.plan({a.count}, H_, x_forms_);
+    for (int j = 0; j < tiles.items(); ++j) pack_x(tiles, j, a, 16 * j);
+    return tiles.acts(0);
+  }
+  engine::TileActs own_h(const ActiveExpert& a) {
+    engine::GroupTiles& tiles = tl_own_tiles;
+    tiles.plan({a.count}, I_, h_forms_);
+    for (int j = 0; j < tiles.items(); ++j) pack_h(tiles, j, a, 16 * j);
+    return tiles.acts(0);
+  }
+
+  // The expert's tokens [row, row + 16) as tile `item` of `tiles`: as digits from phase 0's digit rows
+  // where gate and up read digits only, else from the fp32 rows.
+  void pack_x(engine::GroupTiles& tiles, int item, const ActiveExpert& a, int row) const {
+    const int n = std::min(16, a.count - row);
+    const int* tokens = slot_token_.data() + a.first_slot + row;
     if (xq_) {
-      std::vector<const int8_t*> hi(a.count), lo(a.count);
-      std::vector<float> d(a.count);
-      for (int i = 0; i < a.count; ++i) {
-        const int t = slot_token_[a.first_slot + i];
-        hi[i] = xq_hi(t);
-        lo[i] = xq_lo(t);
-        d[i] = xq_d_.get()[t];
-      }
-      x = engine::tile_pack_digit_rows(kt_, hi.data(), lo.data(), d.data(), a.count, H_);
-    } else {
-      std::vector<const float*> rows(a.count);
-      for (int i = 0; i < a.count; ++i) rows[i] = x_row(slot_token_[a.first_slot + i]);
-      x = tile_pack(kt_, rows.data(), a.count, H_, x_dtype_ != kBF16Data, gate_, up_);
+      const int8_t* hi[16];
+      const int8_t* lo[16];
+      float d[16];
+      for (int i = 0; i < n; ++i) hi[i] = xq_hi(tokens[i]), lo[i] = xq_lo(tokens[i]), d[i] = xq_d_.get()[tokens[i]];
+      tiles.pack_digit_rows(kt_, item, hi, lo, d, n);
+      return;
     }
+    const float* rows[16];
+    for (int i = 0; i < n; ++i) rows[i] = x_row(tokens[i]);
+    tiles.pack(kt_, item, rows, n);
+  }
+  // The expert's intermediate rows [row, row + 16) as tile `item`. Packed without remainders, the rows
+  // are rounded to bf16 as f32_to_bf16 rounds them (hb_).
+  void pack_h(engine::GroupTiles& tiles, int item, const ActiveExpert& a, int row) const {
+    const int n = std::min(16, a.count - row);
+    const float* rows[16];
+    for (int i = 0; i < n; ++i) rows[i] = h_.get() + size_t(a.first_slot + row + i) * I_;
+    tiles.pack(kt_, item, rows, n);
+  }
+
+  // AMX: gate and up kAmxRows rows at a time against the expert's packed tokens.
+  void gate_up_tiles(const ActiveExpert& a, const engine::TileActs& x, int first, int last) {
     float* up_block = sized(tl_scratch.block, size_t(a.count) * kAmxRows);
     for (int n0 = first; n0 < last; n0 += kAmxRows) {
       const int n1 = std::min(last, n0 + kAmxRows);
@@ -273,16 +328,13 @@ class MoEJob final : public Job {
     int active, first, last;
     down_items_.locate(item, active, first, last);
     const ActiveExpert& a = active_[active];
-    if (a.count > gemv_max_ && tile_gemm(kt_)) return down_tiles(a, first, last);
+    if (a.count > gemv_max_ && tile_gemm(kt_))
+      return down_tiles(a, h_tiles_.items() ? h_tiles_.acts(active) : own_h(a), first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) down_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 
-  // AMX: the expert's intermediate rows packed once for the item.
-  void down_tiles(const ActiveExpert& a, int first, int last) {
-    std::vector<const float*> rows(a.count);
-    for (int i = 0; i < a.count; ++i) rows[i] = h_.get() + size_t(a.first_slot + i) * I_;
-    // Packed without remainders, the rows are rounded to bf16 as f32_to_bf16 rounds them (hb_).
-    const engine::TileActs x = tile_pack(kt_, rows.data(), a.count, I_, !bf16_down_, down_, down_);
+  // AMX: down against the expert's packed intermediate rows.
+  void down_tiles(const ActiveExpert& a, const engine::TileActs& x, int first, int last) {
     float* out = ybuf_.get() + size_t(a.first_slot) * H_ + first;
     tile_rows(kt_, down_, a.expert, first, last, x, out, H_);
     add_down_bias(a, first, last - first, out);
@@ -358,12 +410,14 @@ class MoEJob final : public Job {
   std::vector<ActiveExpert> active_;
   std::vector<int> slot_token_, slot_of_;
   int S_ = 0;
-  engine::NodeRowItems up_items_, down_items_;  // phase 1's (rows of I) and phase 3's (rows of H)
+  engine::NodeRowItems up_items_, down_items_;  // phase 2's (rows of I) and phase 5's (rows of H)
   engine::Buf<float> xf_, h_, ybuf_;
   engine::Buf<int8_t> xq_;  // phase 0's digit rows of the tokens, where gate and up read digits (xq_hi)
   int8_t* xq_base_ = nullptr;  // xq_ at its first 64-byte boundary
   engine::Buf<float> xq_d_;
   engine::Buf<uint16_t> hb_;  // the intermediate in bf16, for bf16_down_
+  engine::TileForms x_forms_, h_forms_;  // what gate and up, and down, read on the tiles
+  engine::GroupTiles x_tiles_, h_tiles_;  // the tile-path experts' tokens and intermediate rows, packed
   bool bf16_up_ = false, bf16_down_ = false;
   ActBuffers x_act_, xu_act_, h_act_;  // xu_act_: up's layout where it is not gate's
 };

@@ -56,20 +56,6 @@ inline bool tile_codes_with_min(const KernelTable* kt, const Proj& p) {
 // Whether a projection's tile GEMM reads the activations' int8 digits (amx_pack_i8) or their bf16 tiles.
 inline bool tile_reads_digits(const KernelTable* kt, const Proj& p) { return tile_int8(kt, p) || tile_digits(kt, p); }
 
-// sums[b * Tp + t] = the fp32 sum of a[t][32 b .. 32 b + 31] for t < T, 0 for t in [T, Tp), Tp = 16 * ceil(T / 16):
-// a block's sums for a token tile are 16 consecutive floats, the lanes of a C tile's row.
-inline void amx_block_sums(const float* const* a, int T, int K, float* sums) {
-  const int Tp = (T + 15) / 16 * 16;
-  for (int b = 0; b < K / 32; ++b)
-    for (int t = 0; t < Tp; ++t) {
-      float s = 0.f;
-      if (t < T)
-        for (int i = 0; i < 32; ++i) s += a[t][32 * b + i];
-      sums[int64_t(b) * Tp + t] = s;
-    }
-}
-
-
 // A scratch vector grown to at least n elements, as a pointer aligned to 64 bytes. The packed
 // activations are read as whole tiles: a tile row off a cache line spans two lines (vector's own
 // storage is 16-byte aligned), and in-process on the AMX Xeon the int4 layer at 512 tokens took
@@ -80,83 +66,128 @@ T* sized_aligned(std::vector<T>& v, size_t n) {
   return align64(sized(v, n + pad));
 }
 
-// Per-worker buffers: packed activations (bf16 hi/lo, int8 digits), a dequantized panel and its bf16
-// rows, a tail of stored rows.
+// Per-worker buffers: a dequantized panel and its bf16 rows, a tail of stored rows.
 struct TileScratch {
-  std::vector<uint16_t> x_hi, x_lo, w_hi, w_lo;
-  std::vector<int8_t> q_hi, q_lo;
-  std::vector<float> panel, q_d, sums;
+  std::vector<uint16_t> w_hi, w_lo;
+  std::vector<float> panel;
   std::vector<uint8_t> tail;  // stored rows copied beside zero rows (tile_rows_as_stored)
 };
 inline thread_local TileScratch tl_tile;
 
-// Activations packed for the tile GEMMs, in the calling thread's scratch (valid until its next pack):
-// bf16 hi and lo (lo nullptr: the rows are exactly bf16), int8 digits and their scales.
+// Activations packed for the tile GEMMs (GroupTiles): bf16 hi and lo (lo nullptr: the rows are exactly
+// bf16), int8 digits and their scales, block sums.
 struct TileActs {
   const uint16_t* hi = nullptr;
   const uint16_t* lo = nullptr;
   const int8_t* q_hi = nullptr;
   const int8_t* q_lo = nullptr;
   const float* q_d = nullptr;
-  const float* sums = nullptr;  // amx_block_sums, where a projection's tile kernel has a min term
+  // sums[b * Tp + t]: the fp32 sum of x_t[32 b .. 32 b + 31] (0 for the padding tokens t in [T, Tp),
+  // Tp = 16 * ceil(T / 16)), where a projection's tile kernel has a min term
+  const float* sums = nullptr;
   int T = 0;
 };
 
-// `rows` (T of K fp32 values) in the forms the projections `a` and `b` read; with_lo: keep each
-// value's remainder after bf16 rounding (leave it out only for rows that are exactly bf16).
-inline TileActs tile_pack(const KernelTable* kt, const float* const* rows, int T, int K, bool with_lo, const Proj& a,
-                          const Proj& b) {
-  const size_t n = size_t(amx_packed_elems(T, K));
-  TileActs x;
-  x.T = T;
-  if (!tile_reads_digits(kt, a) || !tile_reads_digits(kt, b)) {
-    uint16_t* hi = sized_aligned(tl_tile.x_hi, n);
-    uint16_t* lo = with_lo ? sized_aligned(tl_tile.x_lo, n) : nullptr;
-    kt->amx_pack(rows, T, K, hi, lo);
-    x.hi = hi;
-    x.lo = lo;
-  }
-  if (tile_codes_with_min(kt, a) || tile_codes_with_min(kt, b)) {
-    float* sums = sized(tl_tile.sums, size_t(K / 32) * ((T + 15) / 16 * 16));
-    amx_block_sums(rows, T, K, sums);
-    x.sums = sums;
-  }
-  if (tile_reads_digits(kt, a) || tile_reads_digits(kt, b)) {
-    int8_t* hi = sized_aligned(tl_tile.q_hi, n);
-    int8_t* lo = sized_aligned(tl_tile.q_lo, n);
-    float* d = sized(tl_tile.q_d, size_t(T + 15) / 16 * 16);
-    kt->amx_pack_i8(rows, T, K, hi, lo, d);
-    x.q_hi = hi;
-    x.q_lo = lo;
-    x.q_d = d;
-  }
-  return x;
+// The forms a tile GEMM of projections a and b reads its activations in; with_lo: keep each value's
+// remainder after bf16 rounding (leave it out only for rows that are exactly bf16).
+struct TileForms {
+  bool bf16 = false, lo = false, sums = false, digits = false;
+};
+inline TileForms tile_forms(const KernelTable* kt, bool with_lo, const Proj& a, const Proj& b) {
+  TileForms f;
+  f.bf16 = !tile_reads_digits(kt, a) || !tile_reads_digits(kt, b);
+  f.lo = f.bf16 && with_lo;
+  f.sums = tile_codes_with_min(kt, a) || tile_codes_with_min(kt, b);
+  f.digits = tile_reads_digits(kt, a) || tile_reads_digits(kt, b);
+  return f;
 }
 
 // Whether projections a and b both read the activations as digits only, so that an expert's tokens can
-// be tiled from digit rows computed once for the batch (tile_pack_digit_rows).
+// be tiled from digit rows computed once for the batch (GroupTiles::pack_digit_rows).
 inline bool tile_digit_rows(const KernelTable* kt, const Proj& a, const Proj& b) {
   return kt->amx_tile_digit_rows != nullptr && tile_reads_digits(kt, a) && tile_reads_digits(kt, b);
 }
 
-// tile_pack's digits for T tokens whose digit rows (amx_digit_rows: hi_rows[i], lo_rows[i], scale
-// row_d[i]) exist already, in the calling thread's scratch.
-inline TileActs tile_pack_digit_rows(const KernelTable* kt, const int8_t* const* hi_rows, const int8_t* const* lo_rows,
-                                     const float* row_d, int T, int K) {
-  const size_t n = size_t(amx_packed_elems(T, K));
-  const int Tp = (T + 15) / 16 * 16;
-  TileActs x;
-  x.T = T;
-  int8_t* hi = sized_aligned(tl_tile.q_hi, n);
-  int8_t* lo = sized_aligned(tl_tile.q_lo, n);
-  float* d = sized(tl_tile.q_d, size_t(Tp));
-  for (int t = 0; t < Tp; ++t) d[t] = t < T ? row_d[t] : 0.f;
-  kt->amx_tile_digit_rows(hi_rows, lo_rows, T, K, hi, lo);
-  x.q_hi = hi;
-  x.q_lo = lo;
-  x.q_d = d;
-  return x;
-}
+// Activations packed once for all of a job's items: row groups (a MoE job's tile-path experts, each
+// its tokens; a linear job's token chunks) in the forms their tile GEMMs read, in buffers the job
+// owns, one 16-token tile an item of a phase of their own. Packed per item instead, each item of a
+// large expert packed all its tokens again: Mixtral-8x7B's bf16 layer at 512 tokens, in 1 MiB items
+// (117 an expert's 14336-row projection), spent 39% of a prefill in amx_pack on the AMX Xeon (perf).
+class GroupTiles {
+ public:
+  // Groups of counts[g] rows of K each (a plan replaces the one before).
+  void plan(const std::vector<int>& counts, int K, const TileForms& forms) {
+    K_ = K;
+    counts_ = counts;
+    first_tile_.assign(1, 0);
+    for (int c : counts) first_tile_.push_back(first_tile_.back() + (c + 15) / 16);
+    const size_t tiles = size_t(first_tile_.back()), elems = tiles * 16 * size_t(K);
+    hi_.reset(), lo_.reset(), q_hi_.reset(), q_lo_.reset(), q_d_.reset(), sums_.reset();  // a plan's own forms
+    if (tiles == 0) return;
+    if (forms.bf16) hi_ = uninit<uint16_t>(elems);
+    if (forms.lo) lo_ = uninit<uint16_t>(elems);
+    if (forms.sums) sums_ = uninit<float>(tiles * 16 * size_t(K / 32));
+    if (forms.digits) {
+      q_hi_ = uninit<int8_t>(elems);
+      q_lo_ = uninit<int8_t>(elems);
+      q_d_ = uninit<float>(tiles * 16);
+    }
+  }
+  int items() const { return first_tile_.empty() ? 0 : first_tile_.back(); }
+  // The group of `item` and the first of its group's rows that the item packs.
+  void locate(int item, int& group, int& row) const {
+    group = int(std::upper_bound(first_tile_.begin(), first_tile_.end(), item) - first_tile_.begin()) - 1;
+    row = 16 * (item - first_tile_[group]);
+  }
+  // Item `item`'s n (<= 16) rows, fp32.
+  void pack(const KernelTable* kt, int item, const float* const* rows, int n) {
+    const int64_t at = int64_t(item) * 16 * K_;
+    if (hi_) kt->amx_pack(rows, n, K_, hi_.get() + at, lo_ ? lo_.get() + at : nullptr);
+    if (q_hi_) kt->amx_pack_i8(rows, n, K_, q_hi_.get() + at, q_lo_.get() + at, q_d_.get() + 16 * item);
+    if (sums_) {  // a group's sums are [K / 32][its tiles' rows] (TileActs::sums)
+      int group, row;
+      locate(item, group, row);
+      const int Tp = 16 * (first_tile_[group + 1] - first_tile_[group]);
+      float* sums = sums_.get() + int64_t(first_tile_[group]) * 16 * (K_ / 32) + row;
+      for (int b = 0; b < K_ / 32; ++b)
+        for (int t = 0; t < 16; ++t) {
+          float sum = 0.f;
+          if (t < n)
+            for (int i = 0; i < 32; ++i) sum += rows[t][32 * b + i];
+          sums[int64_t(b) * Tp + t] = sum;
+        }
+    }
+  }
+  // Item `item`'s n (<= 16) rows from their digit rows (amx_digit_rows), where the forms are digits only.
+  void pack_digit_rows(const KernelTable* kt, int item, const int8_t* const* hi, const int8_t* const* lo,
+                       const float* d, int n) {
+    const int64_t at = int64_t(item) * 16 * K_;
+    kt->amx_tile_digit_rows(hi, lo, n, K_, q_hi_.get() + at, q_lo_.get() + at);
+    for (int t = 0; t < 16; ++t) q_d_.get()[16 * item + t] = t < n ? d[t] : 0.f;
+  }
+  // Group g's packed rows.
+  TileActs acts(int g) const {
+    const int64_t tile0 = first_tile_[g], at = tile0 * 16 * K_;
+    TileActs x;
+    x.T = counts_[g];
+    if (hi_) x.hi = hi_.get() + at;
+    if (lo_) x.lo = lo_.get() + at;
+    if (sums_) x.sums = sums_.get() + tile0 * 16 * (K_ / 32);
+    if (q_hi_) {
+      x.q_hi = q_hi_.get() + at;
+      x.q_lo = q_lo_.get() + at;
+      x.q_d = q_d_.get() + 16 * tile0;
+    }
+    return x;
+  }
+
+ private:
+  int K_ = 0;
+  std::vector<int> counts_, first_tile_;  // first_tile_[g]: group g's first tile; one past the last at the end
+  Buf<uint16_t> hi_, lo_;
+  Buf<int8_t> q_hi_, q_lo_;
+  Buf<float> q_d_, sums_;
+};
 
 // Rows [r0, r0 + R) of expert e as stored, `bytes` a row: where a tile would read past them (R short of
 // the 16-row tile), a copy beside zero rows in `tail`; `stride` becomes the copy's.

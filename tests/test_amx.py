@@ -191,13 +191,13 @@ def test_auto_never_selects_the_emulator(monkeypatch) -> None:
     assert select_isa("auto") != "amx-emu"
 
 
-def _tile_linear(isa: str, method: str, params: dict, K: int) -> tuple:
-    """80 random rows of K in `method` and 70 tokens through CPULinear on the tile path of `isa`: the
+def _tile_linear(isa: str, method: str, params: dict, K: int, rows: int = 80) -> tuple:
+    """`rows` random rows of K in `method` and 70 tokens through CPULinear on the tile path of `isa`: the
     stored weights, the activations, the dequantized weights (float64), the output and float64's."""
     select_isa(isa)
     g = torch.Generator().manual_seed(11)
     codec = get_codec(method, **params)
-    q = codec.quantize(torch.randn(80, K, generator=g) * 0.05)
+    q = codec.quantize(torch.randn(rows, K, generator=g) * 0.05)
     x = torch.randn(70, K, generator=g)
     lin = CPULinear(q, gemv_max_tokens=0)
     assert lin.isa == isa
@@ -243,14 +243,14 @@ def test_code_tiles_keep_fp32_accuracy(isa: str, method: str, params: dict, K: i
     _check_code_tiles(isa, method, params, K)
 
 
-def _check_code_tiles(isa: str, method: str, params: dict, K: int) -> None:
-    q, x, w, got, ref = _tile_linear(isa, method, params, K)
+def _check_code_tiles(isa: str, method: str, params: dict, K: int, rows: int = 80) -> None:
+    q, x, w, got, ref = _tile_linear(isa, method, params, K, rows)
     magnitude = w.abs()
     extra = 0
     if method in ("gguf:q4_k", "gguf:q5_k"):  # the codes zeroed leave -dmin * m in every weight's place
-        blocks = q.tensors[".weight"].clone().view(80, -1, 144 if method == "gguf:q4_k" else 176)
+        blocks = q.tensors[".weight"].clone().view(rows, -1, 144 if method == "gguf:q4_k" else 176)
         blocks[:, :, 16:] = 0
-        zeroed = QuantizedTensor(q.method, q.shape, {".weight": blocks.view(80, -1)}, q.params)
+        zeroed = QuantizedTensor(q.method, q.shape, {".weight": blocks.view(rows, -1)}, q.params)
         mins = get_codec(method).dequantize(zeroed)
         magnitude = magnitude + mins.double().abs()
         extra = 33 + 2
@@ -346,7 +346,11 @@ def test_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K:
     Q4_K (span 0) puts each sub-block's min into its digits: w = d sc code - dmin m, so W is the row's
     largest |w| over codes 0 and 15 (the ends of a line in the code), each sub-block's table value within
     one unit as well (kernels_amx.cpp: q4k_digit_row)."""
-    q, x, w, got, ref = _tile_linear(isa, method, params, K)
+    _check_digit_tiles(isa, method, params, K, span)
+
+
+def _check_digit_tiles(isa: str, method: str, params: dict, K: int, span: int, rows: int = 80) -> None:
+    q, x, w, got, ref = _tile_linear(isa, method, params, K, rows)
     W = span * _row_scale_max(q) if span else _q4k_row_reach(q)  # [rows]
     amax = x.double().abs().amax(dim=1, keepdim=True)  # [tokens, 1]
     bound = (
@@ -356,3 +360,13 @@ def test_digit_tiles_keep_int16_accuracy(isa: str, method: str, params: dict, K:
         + 5 * 2.0**-24 * K * W * amax
     )
     assert bool(((got - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_few_rows_pack_their_tokens_in_their_items(isa: str) -> None:
+    """20 rows, one panel: a single row item, so the linear job splits the 70 tokens into chunks, each
+    packed by its one item (linear_engine.cpp: own_tiles) where 80 rows' chunks are packed in a phase of
+    their own. Q5_K's code tiles with their block sums, and int4's digits, at the bounds of the tests
+    above (per element, which the row count does not change)."""
+    _check_code_tiles(isa, "gguf:q5_k", {}, 768, rows=20)
+    _check_digit_tiles(isa, "int4", {"group_size": 32}, 640, 8, rows=20)

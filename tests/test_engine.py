@@ -152,6 +152,38 @@ def test_adversarial_routing(weights, isa: str, method: str) -> None:
     assert ce.forward(x[:0], ids[:0], w[:0]).shape == (0, H)
 
 
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in TILE_ISAS])
+@pytest.mark.parametrize("method", ["bf16", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("absent", [3, None])
+def test_tile_experts_of_many_token_tiles(weights, isa: str, method: str, absent: int | None) -> None:
+    """A prefill whose tile-path experts hold several 16-token tiles each, in unequal numbers, beside an
+    expert on the GEMV path. Each expert's tokens and intermediate rows are packed once, at offsets that
+    differ per expert, in phases of their own where an expert has several items, else by its one item
+    (engine::GroupTiles; on 2 threads 7 active experts get two items each, 8 one). fp32 activations
+    (bf16 hi and lo, or digits) and bf16 ones (hi only), against the float64 reference at the paths'
+    bounds."""
+    select_isa(isa)
+    ce = _experts(weights, method, gemv_max_tokens=20)
+    g = torch.Generator().manual_seed(11)
+    T, k = 150, 4
+    # expert e drawn with weight (e + 1)^2, `absent` never (a gap among the active ones), expert 0 by
+    # five tokens only (below gemv_max: the GEMV path)
+    p = torch.arange(1, E + 1, dtype=torch.float).pow(2)
+    p[0] = 0.0
+    if absent is not None:
+        p[absent] = 0.0
+    ids = torch.stack([torch.multinomial(p, k, generator=g) for _ in range(T)])
+    ids[:5, -1] = 0
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert 0 < counts[0] <= 20 and (counts > 32).sum() >= 4, counts
+    assert (counts > 0).sum() == (E - 1 if absent is not None else E), counts
+    w = torch.rand(T, k, generator=g)
+    x = torch.randn(T, H, generator=g)
+    assert _rel(ce.forward(x, ids, w), _reference(ce, x, ids, w)) < _fp32_bound(method, isa)
+    xb = x.bfloat16()
+    assert _rel(ce.forward(xb, ids, w), _reference(ce, xb.float(), ids, w)) < BF16_BOUND
+
+
 def test_avx2_and_avx512_agree(weights) -> None:
     if "avx512" not in ISAS:
         pytest.skip("this CPU has no AVX-512")
