@@ -10,6 +10,20 @@ os.environ["HETMOE_TUNE"] = "0"
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_tmpdir(tmp_path_factory: pytest.TempPathFactory):
+    """The processes tests start keep their temporary files in pytest's own temporary tree, which
+    pytest prunes: torchrun leaves a torchelastic_* directory in the temporary directory at each
+    launch (tests/test_sft_distributed.py, test_sft_zero3.py, test_expert_parallel.py)."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("subprocess-tmp"))
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory):  # -> tiny_models.TinyCache
     """Tiny MoE checkpoints (tests/tiny_models.py), each built once per session."""
