@@ -124,7 +124,7 @@ class LinearJob final : public Job {
         for (int i = 0; i < n; ++i) acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
         kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
       }
-    } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens as phase 1 packed them
+    } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens packed once (phase 1, or here)
       engine::tile_rows(kt_, w_, 0, first, last, x_tiles_.items() ? x_tiles_.acts(chunk) : own_tiles(t0, t1), block,
                         rows_);
     } else if (x_dtype_ == kBF16Data && bf16_dot(kt_)) {

@@ -56,10 +56,11 @@ inline bool tile_codes_with_min(const KernelTable* kt, const Proj& p) {
 // Whether a projection's tile GEMM reads the activations' int8 digits (amx_pack_i8) or their bf16 tiles.
 inline bool tile_reads_digits(const KernelTable* kt, const Proj& p) { return tile_int8(kt, p) || tile_digits(kt, p); }
 
-// A scratch vector grown to at least n elements, as a pointer aligned to 64 bytes. The packed
-// activations are read as whole tiles: a tile row off a cache line spans two lines (vector's own
-// storage is 16-byte aligned), and in-process on the AMX Xeon the int4 layer at 512 tokens took
-// ~1.5 ms longer with its digit tiles 16 bytes off (docs/benchmarks.md).
+// A scratch vector grown to at least n elements, as a pointer aligned to 64 bytes. Tiles are read a
+// 64-byte row at a time: a tile row off a cache line spans two lines (vector's own storage is 16-byte
+// aligned), and in-process on the AMX Xeon the int4 layer at 512 tokens took ~1.5 ms longer with its
+// activations' digit tiles 16 bytes off (docs/benchmarks.md). GroupTiles' buffers come from uninit,
+// whose blocks are 64-byte aligned, and its tiles are whole multiples of 64 bytes.
 template <typename T>
 T* sized_aligned(std::vector<T>& v, size_t n) {
   constexpr size_t pad = 64 / sizeof(T);
@@ -110,7 +111,8 @@ inline bool tile_digit_rows(const KernelTable* kt, const Proj& a, const Proj& b)
 
 // Activations packed once for all of a job's items: row groups (a MoE job's tile-path experts, each
 // its tokens; a linear job's token chunks) in the forms their tile GEMMs read, in buffers the job
-// owns, one 16-token tile an item of a phase of their own. Packed per item instead, each item of a
+// owns, one 16-token tile an item of a phase of their own; a group read by a single work item is
+// packed by that item instead, into a GroupTiles of the thread's. Packed by every item, each item of a
 // large expert packed all its tokens again: Mixtral-8x7B's bf16 layer at 512 tokens, in 1 MiB items
 // (117 an expert's 14336-row projection), spent 39% of a prefill in amx_pack on the AMX Xeon (perf).
 class GroupTiles {
