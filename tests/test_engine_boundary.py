@@ -217,7 +217,9 @@ def test_job_buffer_cache_lets_idle_blocks_go() -> None:
     not keep the buffers of every batch shape it once saw. Top-2 routing of T tokens over H = 256
     gives an fp32 output buffer of T * 2 * 256 * 4 bytes: 8 MiB at T = 4096, 1 MiB (the smallest size
     cached) at T = 512; a block serves requests of half its size and up, so the 8 MiB one never
-    serves the 1 MiB ones."""
+    serves the 1 MiB ones. The jobs' other buffers of about that size (since the tiles an AMX prompt
+    packs are job buffers too) may serve the output in its place, so what must stay is a block that
+    serves it."""
     select_isa("auto")
     ce = CPUExperts(*_layer(seed=6), gemv_max_tokens=0, verbose=False)
     stats = engine_module().buffer_cache_stats
@@ -236,6 +238,6 @@ def test_job_buffer_cache_lets_idle_blocks_go() -> None:
     for _ in range(stats()["idle_gets"] + 1):
         run(512)
     blocks = stats()["blocks"]
-    assert big not in blocks and small in blocks, blocks
+    assert big not in blocks and any(small <= b <= 2 * small for b in blocks), blocks
     assert all(b <= 2 * small for b in blocks), blocks
     assert sum(blocks) <= stats()["max_bytes"]
