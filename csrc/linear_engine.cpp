@@ -25,7 +25,7 @@ struct LinearScratch {
   std::vector<uint16_t> bf16;
 };
 thread_local LinearScratch tl_linear;
-thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed tokens (LinearJob::own_tiles)
+thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed tokens (LinearJob::chunk_acts)
 
 class LinearJob final : public Job {
  public:
@@ -90,23 +90,23 @@ class LinearJob final : public Job {
 
   // Phase 1's item: 16 of a token chunk's tokens into x_tiles_.
   void pack_tile(int item) {
-    int chunk, row;
-    x_tiles_.locate(item, chunk, row);
-    pack(x_tiles_, item, chunk * token_chunk_ + row, std::min(16, token_chunk_ - row));
+    int chunk, row, n;
+    x_tiles_.locate(item, chunk, row, n);
+    pack(x_tiles_, item, chunk * token_chunk_ + row, n);
   }
-  // Tokens [t0, t0 + n) (n <= 16, within T) as tile `item` of `tiles`.
+  // Tokens [t0, t0 + n) (n <= 16) as tile `item` of `tiles`.
   void pack(engine::GroupTiles& tiles, int item, int t0, int n) const {
-    n = std::min(n, T_ - t0);
     const float* rows[16];
     for (int i = 0; i < n; ++i) rows[i] = x_row(t0 + i);
     tiles.pack(kt_, item, rows, n);
   }
-  // The chunk's tokens [t0, t1) packed by its only item, into the calling thread's tiles.
-  engine::TileActs own_tiles(int t0, int t1) const {
-    engine::GroupTiles& tiles = tl_own_tiles;
-    tiles.plan({t1 - t0}, K_, forms_);
-    for (int j = 0; j < tiles.items(); ++j) pack(tiles, j, t0 + 16 * j, std::min(16, t1 - t0 - 16 * j));
-    return tiles.acts(0);
+  // Token chunk `chunk` ([t0, t1)) packed: phase 1's, or, where it has a single item, packed here into
+  // the calling thread's tiles.
+  engine::TileActs chunk_acts(int chunk, int t0, int t1) const {
+    if (x_tiles_.items()) return x_tiles_.acts(chunk);
+    return tl_own_tiles.pack_alone(t1 - t0, K_, forms_, [&](engine::GroupTiles& t, int item, int row, int n) {
+      pack(t, item, t0 + row, n);
+    });
   }
 
   // Item i: rows [first, last) for tokens [t0, t1), into a scratch block [t1 - t0, rows_], then the
@@ -125,8 +125,7 @@ class LinearJob final : public Job {
         kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
       }
     } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens packed once (phase 1, or here)
-      engine::tile_rows(kt_, w_, 0, first, last, x_tiles_.items() ? x_tiles_.acts(chunk) : own_tiles(t0, t1), block,
-                        rows_);
+      engine::tile_rows(kt_, w_, 0, first, last, chunk_acts(chunk, t0, t1), block, rows_);
     } else if (x_dtype_ == kBF16Data && bf16_dot(kt_)) {
       // A bf16 model: VDPBF16PS on bf16 rows (other methods' dequantized and rounded, engine_common.h).
       std::vector<const uint16_t*> rows(nt);

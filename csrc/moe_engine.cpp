@@ -28,7 +28,7 @@ struct Scratch {
   std::vector<uint16_t> bf16_a, bf16_b;
 };
 thread_local Scratch tl_scratch;
-thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed activations (MoEJob::own_x, own_h)
+thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed activations (MoEJob::x_acts, h_acts)
 
 class MoEJob final : public Job {
  public:
@@ -212,40 +212,42 @@ class MoEJob final : public Job {
     // level). More tokens go a panel at a time, so a panel's rows stay in cache for the token groups.
     if (a.count <= kGemvTokens && a.count <= gemv_max_) return gate_up_panel(a, first, last);
     if (a.count > gemv_max_ && tile_gemm(kt_))
-      return gate_up_tiles(a, x_tiles_.items() ? x_tiles_.acts(active) : own_x(a), first, last);
+      return gate_up_tiles(a, x_acts(active), first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) gate_up_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 
   // Phase 1's item: 16 of a tile-path expert's tokens into x_tiles_.
   void pack_x_tile(int item) {
-    int g, row;
-    x_tiles_.locate(item, g, row);
-    pack_x(x_tiles_, item, active_[g], row);
+    int g, row, n;
+    x_tiles_.locate(item, g, row, n);
+    pack_x(x_tiles_, item, active_[g], row, n);
   }
   // Phase 4's item: 16 of a tile-path expert's intermediate rows into h_tiles_.
   void pack_h_tile(int item) {
-    int g, row;
-    h_tiles_.locate(item, g, row);
-    pack_h(h_tiles_, item, active_[g], row);
+    int g, row, n;
+    h_tiles_.locate(item, g, row, n);
+    pack_h(h_tiles_, item, active_[g], row, n);
   }
-  // An expert's tokens (or intermediate rows) packed by its only item, into the calling thread's tiles.
-  engine::TileActs own_x(const ActiveExpert& a) {
-    engine::GroupTiles& tiles = tl_own_tiles;
-    tiles.plan({a.count}, H_, x_forms_);
-    for (int j = 0; j < tiles.items(); ++j) pack_x(tiles, j, a, 16 * j);
-    return tiles.acts(0);
+  // Tile-path expert `active`'s packed tokens (intermediate rows): phase 1's (4's), or, where it has a
+  // single item, packed here into the calling thread's tiles.
+  engine::TileActs x_acts(int active) {
+    if (x_tiles_.items()) return x_tiles_.acts(active);
+    const ActiveExpert& a = active_[active];
+    return tl_own_tiles.pack_alone(a.count, H_, x_forms_, [&](engine::GroupTiles& t, int item, int row, int n) {
+      pack_x(t, item, a, row, n);
+    });
   }
-  engine::TileActs own_h(const ActiveExpert& a) {
-    engine::GroupTiles& tiles = tl_own_tiles;
-    tiles.plan({a.count}, I_, h_forms_);
-    for (int j = 0; j < tiles.items(); ++j) pack_h(tiles, j, a, 16 * j);
-    return tiles.acts(0);
+  engine::TileActs h_acts(int active) {
+    if (h_tiles_.items()) return h_tiles_.acts(active);
+    const ActiveExpert& a = active_[active];
+    return tl_own_tiles.pack_alone(a.count, I_, h_forms_, [&](engine::GroupTiles& t, int item, int row, int n) {
+      pack_h(t, item, a, row, n);
+    });
   }
 
-  // The expert's tokens [row, row + 16) as tile `item` of `tiles`: as digits from phase 0's digit rows
+  // The expert's tokens [row, row + n) as tile `item` of `tiles`: as digits from phase 0's digit rows
   // where gate and up read digits only, else from the fp32 rows.
-  void pack_x(engine::GroupTiles& tiles, int item, const ActiveExpert& a, int row) const {
-    const int n = std::min(16, a.count - row);
+  void pack_x(engine::GroupTiles& tiles, int item, const ActiveExpert& a, int row, int n) const {
     const int* tokens = slot_token_.data() + a.first_slot + row;
     if (xq_) {
       const int8_t* hi[16];
@@ -259,10 +261,9 @@ class MoEJob final : public Job {
     for (int i = 0; i < n; ++i) rows[i] = x_row(tokens[i]);
     tiles.pack(kt_, item, rows, n);
   }
-  // The expert's intermediate rows [row, row + 16) as tile `item`. Packed without remainders, the rows
+  // The expert's intermediate rows [row, row + n) as tile `item`. Packed without remainders, the rows
   // are rounded to bf16 as f32_to_bf16 rounds them (hb_).
-  void pack_h(engine::GroupTiles& tiles, int item, const ActiveExpert& a, int row) const {
-    const int n = std::min(16, a.count - row);
+  void pack_h(engine::GroupTiles& tiles, int item, const ActiveExpert& a, int row, int n) const {
     const float* rows[16];
     for (int i = 0; i < n; ++i) rows[i] = h_.get() + size_t(a.first_slot + row + i) * I_;
     tiles.pack(kt_, item, rows, n);
@@ -329,7 +330,7 @@ class MoEJob final : public Job {
     down_items_.locate(item, active, first, last);
     const ActiveExpert& a = active_[active];
     if (a.count > gemv_max_ && tile_gemm(kt_))
-      return down_tiles(a, h_tiles_.items() ? h_tiles_.acts(active) : own_h(a), first, last);
+      return down_tiles(a, h_acts(active), first, last);
     for (int n0 = first; n0 < last; n0 += kPanelRows) down_panel(a, n0, std::min(last, n0 + kPanelRows));
   }
 

@@ -136,10 +136,19 @@ class GroupTiles {
     }
   }
   int items() const { return first_tile_.empty() ? 0 : first_tile_.back(); }
-  // The group of `item` and the first of its group's rows that the item packs.
-  void locate(int item, int& group, int& row) const {
+  // The rows `item` packs: its group's rows [row, row + n), n <= 16.
+  void locate(int item, int& group, int& row, int& n) const {
     group = int(std::upper_bound(first_tile_.begin(), first_tile_.end(), item) - first_tile_.begin()) - 1;
     row = 16 * (item - first_tile_[group]);
+    n = std::min(16, counts_[group] - row);
+  }
+  // One group of `count` rows of K, planned and packed by the caller alone, a tile at a time:
+  // pack_tile(*this, item, row, n) as a phase's item would pack rows [row, row + n).
+  template <typename PackTile>
+  TileActs pack_alone(int count, int K, const TileForms& forms, PackTile pack_tile) {
+    plan({count}, K, forms);
+    for (int j = 0; j < items(); ++j) pack_tile(*this, j, 16 * j, std::min(16, count - 16 * j));
+    return acts(0);
   }
   // Item `item`'s n (<= 16) rows, fp32.
   void pack(const KernelTable* kt, int item, const float* const* rows, int n) {
@@ -147,8 +156,8 @@ class GroupTiles {
     if (hi_) kt->amx_pack(rows, n, K_, hi_.get() + at, lo_ ? lo_.get() + at : nullptr);
     if (q_hi_) kt->amx_pack_i8(rows, n, K_, q_hi_.get() + at, q_lo_.get() + at, q_d_.get() + 16 * item);
     if (sums_) {  // a group's sums are [K / 32][its tiles' rows] (TileActs::sums)
-      int group, row;
-      locate(item, group, row);
+      int group, row, tile_n;  // tile_n == n
+      locate(item, group, row, tile_n);
       const int Tp = 16 * (first_tile_[group + 1] - first_tile_[group]);
       float* sums = sums_.get() + int64_t(first_tile_[group]) * 16 * (K_ / 32) + row;
       for (int b = 0; b < K_ / 32; ++b)
