@@ -93,7 +93,8 @@ class MoEJob final : public Job {
     // in the phase that reads them; with one, its item packs them (the tiles then stay in the cache of
     // the core that reads them: the int4 layer at 512 tokens, one item an expert, took 66.3-67.6 ms
     // packed in its items against 68.9-69.1 packed in a phase of their own, alternating on the AMX Xeon).
-    if (tiles) {
+    // Only where some expert takes the tiles: a decode step skips it.
+    if (tiles && gemm) {
       x_forms_ = engine::tile_forms(kt, x_dtype_ != kBF16Data, gate, up);
       h_forms_ = engine::tile_forms(kt, !bf16_down_, down, down);
       std::vector<int> counts;
