@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env
 
 from hetmoe.formats.base import QuantizedTensor
 from hetmoe.runtime.expert_parallel import ExpertPlacement, select_experts
@@ -35,16 +36,10 @@ STEPS = 32
 TIMEOUT = 300
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    return env
-
-
 def _expert_parallel(model_dir: Path, out: Path, *extra: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
     command += [str(model_dir), str(out), str(STEPS), *extra]
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -86,13 +81,13 @@ def test_generate_with_an_explicit_rendezvous(tmp_path) -> None:
     in two plain processes prints the one-process greedy text."""
     url = f"tcp://127.0.0.1:{_free_port()}"
     args = ["-m", "hetmoe", "generate", "--max-new-tokens", "16", "--temperature", "0", "--dtype", "float32"]
-    one = subprocess.run([sys.executable, *args, "def f(x):"], env=_env(), capture_output=True, text=True)
+    one = subprocess.run([sys.executable, *args, "def f(x):"], env=child_env(), capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-2000:]
     ep = ["--expert-parallel", "2", "--dist-init", url, "--dist-rank"]
     procs = [
         subprocess.Popen(
             [sys.executable, *args, *ep, str(rank), "def f(x):"],
-            env=_env(),
+            env=child_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -116,7 +111,7 @@ def test_serve_expert_parallel_answers_as_one_process(tmp_path) -> None:
     answers = []
     fp32 = ["--dtype", "float32"]  # see the module's docstring
     for extra, run_with in ((fp32, None), ([*fp32, "--expert-parallel", "2"], launcher)):
-        with serve_process(extra, env=_env(), timeout=TIMEOUT, launcher=run_with) as server:
+        with serve_process(extra, env=child_env(), timeout=TIMEOUT, launcher=run_with) as server:
             client = OpenAI(base_url=server.url + "/v1", api_key="unused")
             reply = client.completions.create(**request)
             answers.append((reply.choices[0].text, reply.usage.completion_tokens))
@@ -131,7 +126,7 @@ def test_serve_fails_requests_when_a_rank_dies(tmp_path) -> None:
     from serve_process import serve_process
 
     port = str(_free_port())
-    base = _env() | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "1"}
+    base = child_env() | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "1"}
     command = [sys.executable, "-m", "hetmoe", "serve", "--expert-parallel", "2", "--port", str(_free_port())]
     expert_rank = subprocess.Popen(command, env=base | {"RANK": "1", "LOCAL_RANK": "0"}, stderr=subprocess.PIPE)
     request = {"model": "hetmoe-default", "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
@@ -183,7 +178,7 @@ def test_a_dead_rank_fails_rank_0_instead_of_hanging(tiny_cache, tmp_path) -> No
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = child_env() | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         command = [sys.executable, str(WORKER), str(model_dir), str(tmp_path / "out.json"), "100000"]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     time.sleep(1.0)

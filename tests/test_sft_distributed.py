@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env
 from safetensors.torch import load_file
 
 from hetmoe.runtime.process_group import Ranks, ranks_from_env
@@ -53,12 +54,6 @@ ADAPTER_BOUND = 2e-5  # the adapters one process against two (module docstring)
 TIMEOUT = 300  # seconds a run may take before the test calls it hung
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    return env
-
-
 def _command(processes: int, output: Path, *extra: str) -> list[str]:
     if processes == 1:
         return [sys.executable, "-m", "hetmoe", *TRAIN_ARGS, "--output", str(output), *extra]
@@ -69,7 +64,7 @@ def _command(processes: int, output: Path, *extra: str) -> list[str]:
 def _train(processes: int, output: Path, *extra: str) -> list[float]:
     """Runs and checks one training; returns the held-out losses it printed (before, after), if any."""
     command = _command(processes, output, *extra)
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"adapter: {output / 'adapter'}" in done.stdout  # rank 0 alone reports
     assert done.stdout.count("adapter:") == 1
@@ -113,7 +108,7 @@ def test_accelerate_launch_takes_the_same_steps(runs) -> None:
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi-gpu", "--num-processes", "2"]
     launcher += ["--num-machines", "1", "--mixed-precision", "no", "--dynamo-backend", "no"]
     command = [*launcher, "--main-process-port", str(_free_port()), "-m", "hetmoe", *TRAIN_ARGS, "--output", str(out)]
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("adapter:") == 1
     assert _curve_gap(_losses(out), _losses(runs / "two")) <= BOUND
@@ -148,7 +143,7 @@ def test_killed_rank_fails_the_job_and_resume_ends_where_the_unbroken_run_does(r
     port = str(_free_port())
     ranks = []
     for rank in (0, 1):
-        env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = child_env() | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         env |= {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # one rank a "host"
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         ranks.append(subprocess.Popen(_command(1, out), env=env, **pipes))

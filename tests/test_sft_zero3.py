@@ -15,13 +15,13 @@ accelerator), the default model built partitioned, its experts gathered into the
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env
 from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")  # a dev dependency; without it this file has nothing to run
@@ -33,8 +33,7 @@ TIMEOUT = 600  # seconds: the first run builds DeepSpeed's shared-memory op (JIT
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero3")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = child_env()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
     done = subprocess.run([*command, str(out)], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
