@@ -63,9 +63,10 @@ def engine_isas(variants: tuple[str, ...] = ("avx2", "avx512", "amx", "amx-emu")
 
 
 def child_env() -> dict[str, str]:
-    """The environment for a test's child processes that start their own process group (torchrun,
-    or ranks started by hand): this one's, offline, one torch thread each, without the rank variables
-    a parent launched under torchrun would pass on (a child would take its parent's rank)."""
+    """The environment for the child processes of the multi-process tests (torchrun, ranks started
+    by hand, and the one-process runs they are compared with): this one's, offline, one torch thread
+    each, without the rank variables a parent launched under torchrun would pass on (a child would
+    take its parent's rank)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     return env
