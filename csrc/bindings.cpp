@@ -257,11 +257,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("selected_isa", [] { return std::string(g_selected ? g_selected->name : ""); });
   m.def(
       "measure_read_bandwidth",
-      [](int64_t bytes, int threads, int repeats) {
+      [](int64_t ptr, int64_t bytes, int threads, int repeats) {
+        if (!ptr || bytes < 64 || threads < 1 || repeats < 1)
+          throw py::value_error("measure_read_bandwidth: expected a buffer, bytes >= 64, threads and repeats >= 1");
         py::gil_scoped_release release;
-        return measure_read_bandwidth(bytes, threads, repeats);
+        return measure_read_bandwidth(reinterpret_cast<uint64_t*>(ptr), bytes, threads, repeats);
       },
-      py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 5, "best GB/s streaming a buffer of `bytes`");
+      py::arg("ptr"), py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 5,
+      "best GB/s streaming the caller's untouched buffer at `ptr`, each thread first touching its slice");
   m.def(
       "measure_read_bandwidth_of",
       [](int64_t ptr, int64_t bytes, int threads, int repeats) {

@@ -3,7 +3,6 @@
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <random>
 #include <thread>
 #include <vector>
@@ -55,41 +53,8 @@ double run_parallel(int threads, F body) {
 
 }  // namespace
 
-namespace {
-// `bytes` of private anonymous memory starting on a 2 MiB boundary, asked for transparent huge pages
-// before the first touch unless HETMOE_HUGE_PAGES=0: the pages the weights are on (hw/huge_pages.py).
-// On 4 KiB pages the read measures the page walks as much as the memory: on 2 vCPUs of an Intel Xeon
-// VM (AMX, family 6 model 167) this loop read 20.9 GB/s from `new` memory and 33-37 from 2 MiB pages,
-// which is where the GEMVs stream the weights from (29 GB/s for bf16 experts, `bench moe`).
-class HugeBuffer {
- public:
-  explicit HugeBuffer(size_t bytes) : bytes_(bytes + kHuge) {
-    raw_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw_ == MAP_FAILED) throw std::bad_alloc();
-    const uintptr_t start = (reinterpret_cast<uintptr_t>(raw_) + kHuge - 1) & ~uintptr_t(kHuge - 1);
-    data_ = reinterpret_cast<uint64_t*>(start);
-    const char* off = std::getenv("HETMOE_HUGE_PAGES");
-#ifdef MADV_HUGEPAGE
-    if (!(off && std::strcmp(off, "0") == 0)) madvise(data_, bytes / kHuge * kHuge, MADV_HUGEPAGE);  // refused: 4 KiB pages
-#endif
-  }
-  ~HugeBuffer() { munmap(raw_, bytes_); }
-  HugeBuffer(const HugeBuffer&) = delete;
-  HugeBuffer& operator=(const HugeBuffer&) = delete;
-  uint64_t* data() const { return data_; }
-
- private:
-  static constexpr size_t kHuge = size_t(2) << 20;
-  size_t bytes_;
-  void* raw_;
-  uint64_t* data_;
-};
-}  // namespace
-
-double measure_read_bandwidth(int64_t bytes, int threads, int repeats) {
+double measure_read_bandwidth(uint64_t* buf, int64_t bytes, int threads, int repeats) {
   const size_t n = size_t(bytes) / sizeof(uint64_t);
-  const HugeBuffer mem(n * sizeof(uint64_t));
-  uint64_t* buf = mem.data();
   // Touch every page from the thread that will read it (first-touch NUMA placement).
   run_parallel(threads, [&](int i) {
     const size_t lo = n * i / threads, hi = n * (i + 1) / threads;

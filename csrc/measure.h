@@ -6,9 +6,9 @@
 
 namespace hetmoe {
 
-// Best-of-`repeats` GB/s reading a `bytes` buffer (larger than the last-level cache) with
-// `threads` pinned threads, each streaming its own slice.
-double measure_read_bandwidth(int64_t bytes, int threads, int repeats);
+// Best-of-`repeats` GB/s reading the caller's `bytes` buffer (larger than the last-level cache, not
+// yet touched) with `threads` pinned threads, each first touching, then streaming, its own slice.
+double measure_read_bandwidth(uint64_t* buf, int64_t bytes, int threads, int repeats);
 // The same over a buffer the caller holds (already touched), so repeated samples pay no page faults.
 double measure_read_bandwidth_of(const uint64_t* buf, int64_t bytes, int threads, int repeats);
 
