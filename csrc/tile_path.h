@@ -147,7 +147,11 @@ class GroupTiles {
   template <typename PackTile>
   TileActs pack_alone(int count, int K, const TileForms& forms, PackTile pack_tile) {
     plan({count}, K, forms);
-    for (int j = 0; j < items(); ++j) pack_tile(*this, j, 16 * j, std::min(16, count - 16 * j));
+    for (int j = 0; j < items(); ++j) {
+      int group, row, n;
+      locate(j, group, row, n);
+      pack_tile(*this, j, row, n);
+    }
     return acts(0);
   }
   // Item `item`'s n (<= 16) rows, fp32.
