@@ -14,7 +14,7 @@ from ..models.shapes import SHAPES, get_shape
 # Fraction of the measured read bandwidth the engine reaches on decode (docs/benchmarks.md);
 # estimates use it so they promise what the benchmark shows, not the roofline. `bench moe` of a
 # Qwen3-30B-A3B layer at 1 token on 2 vCPUs of an Intel Xeon with AMX: int4 57%, int8 68%, bf16 76%
-# of the read measured on 2 MiB pages (csrc/measure.cpp); the lowest, int4, decides.
+# of the read measured on 2 MiB pages (kernels/machine.py); the lowest, int4, decides.
 DECODE_EFFICIENCY = 0.6
 
 
