@@ -61,6 +61,8 @@ CpuFeatures detect() {
     f.avx512bf16 = a & (1u << 5);
   }
   if (f.amx_tile && f.os_amx) f.os_amx = request_amx_permission();
+  const long l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);  // glibc reads it from CPUID; 0 or -1 if unknown
+  if (l1d > 0) f.l1d_bytes = int(l1d);
   return f;
 }
 
@@ -81,5 +83,6 @@ std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes] = {
 int default_weight_prefetch() { return cpu_features().amd ? kPrefetchNta : kPrefetchT0; }
 
 std::atomic<int> g_weight_prefetch{default_weight_prefetch()};
+const int g_fp32_x_shared_min_k = cpu_features().l1d_bytes / 2 / int(sizeof(float));
 
 }  // namespace hetmoe

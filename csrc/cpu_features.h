@@ -11,6 +11,7 @@ struct CpuFeatures {
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
   bool os_ymm = false, os_zmm = false, os_amx = false;  // the OS saves that register state
   bool amd = false;                                     // vendor "AuthenticAMD"
+  int l1d_bytes = 32 << 10;                             // one core's L1 data cache (the OS's figure)
 
   bool can_avx2() const { return avx2 && fma && f16c && os_ymm; }
   bool can_avx512() const { return can_avx2() && avx512f && avx512bw && avx512vl && avx512vnni && os_zmm; }

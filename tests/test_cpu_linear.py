@@ -76,6 +76,30 @@ def test_matches_dequantized_reference(weight, method: str, isa: str) -> None:
         assert _rel(yb, xb.double() @ deq.T + b.double()) < BF16_BOUND, (t, "bf16")
 
 
+# Rows long enough that a 1-token GEMV on fp32 activations streams four rows a pass (x's fp32 row
+# fills half of L1d: K >= 4096 on 32 KiB, 6144 on 48 KiB, 8192 on 64 KiB; kernels_common.inc:
+# gemv_bf16_t), and a row count that leaves a tail of one-row passes.
+LONG_N, LONG_K = 39, 8192 + 128
+
+
+@pytest.mark.parametrize("isa", [i for i in _isas() if i not in TILE_ISAS])
+@pytest.mark.parametrize("method", ["bf16", "fp8"])
+def test_long_rows_four_at_a_time_sum_as_one_row(method: str, isa: str) -> None:
+    """One token takes the four-row pass, two tokens the one-row pass: each row's sums run in the
+    same order in both, so the first token's outputs are equal bit for bit, and within the fp32
+    bound of the float64 reference on the same stored bytes."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(LONG_N, LONG_K, generator=g) * 0.02
+    q = get_codec(method).quantize(w)
+    deq = get_codec(method).dequantize(q, torch.float32).double()
+    lin = CPULinear(q, gemv_max_tokens=4)
+    x = torch.randn(2, LONG_K, generator=g)
+    one, two = lin(x[:1]), lin(x)
+    assert torch.equal(one[0], two[0])
+    assert _rel(one, x[:1].double() @ deq.T) < FP32_BOUND[method]
+
+
 def _int8_gemm_bound() -> float:
     """int8 rows on the GEMM path: fp32 math on dequantized panels, or on AMX int8 tiles against
     activations as int16 codes per token (the GEMVs' accuracy; they quantize per block of 32)."""
