@@ -201,7 +201,7 @@ extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
 enum WeightPrefetch : int { kPrefetchT0 = 0, kPrefetchNta = 1, kPrefetchT1 = 2 };
 extern std::atomic<int> g_weight_prefetch;
-// From this K on, a decode GEMV on fp32 activations (gemv_bf16) streams four rows a pass, sharing each
+// From this K on, a decode GEMV on fp32 activations (bf16, fp8) streams several rows a pass, sharing each
 // load of x: x's fp32 row then fills half of this CPU's L1d or more (cpu_features.cpp).
 extern const int g_fp32_x_shared_min_k;
 
