@@ -4,7 +4,6 @@ transformers' save_pretrained writes, the llama.cpp tool plumbing, and the run a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -159,7 +158,8 @@ def test_cli_refuses_what_does_not_apply(tmp_path) -> None:
 
 def test_each_program_measured_with_the_other_files_out_of_the_page_cache(tmp_path) -> None:
     """release_page_cache leaves the measured file's pages and drops every other file of the run
-    (a directory's files included), as util-linux's fincore (mincore(2)) reports residency."""
+    (a directory's files included), as util-linux's fincore (mincore(2)) reports residency; files
+    just written (dirty pages, which DONTNEED alone leaves) are written back first and dropped too."""
     import shutil
     import subprocess
 
@@ -176,11 +176,7 @@ def test_each_program_measured_with_the_other_files_out_of_the_page_cache(tmp_pa
     directory.mkdir()
     paths = [directory / "a.safetensors", directory / "config.json", tmp_path / "m-BF16.gguf", tmp_path / "m-Q4_0.gguf"]
     for p in paths:
-        with open(p, "wb") as f:
-            f.write(b"\1" * (1 << 20))
-            f.flush()
-            os.fsync(f.fileno())  # clean pages: DONTNEED drops those only
-        p.read_bytes()
+        p.write_bytes(b"\1" * (1 << 20))  # dirty pages, as the run's freshly converted files are
 
     def resident(p: Path) -> int:
         out = subprocess.run(

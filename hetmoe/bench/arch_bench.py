@@ -9,12 +9,12 @@ cached beside the directory.
 
 Per round, for each file: hetmoe first (``load_model(FILE)`` with no flags, as ``hetmoe generate
 FILE`` runs it; vs_llama.hetmoe_speeds), then llama-bench on the same file (on the BF16 GGUF for
-the safetensors directory), so both see the machine in the same minutes; before each, the other
-files of the run leave the page cache (release_page_cache). The medians over rounds are printed
-with the ratios and issue 18's targets beside them: decode >= 1.5x on Q4_0 and Q4_K_M and >= 1.3x
-from the safetensors directory against llama.cpp's BF16; prefill >= 1.2x llama.cpp's best of Q4_0
-and Q4_K_M. Without llama.cpp only hetmoe on the directory is measured, and no peer figure is
-printed.
+the safetensors directory), so both see the machine in the same minutes; before each, every file
+of the run is written back to disk and the other files leave the page cache (release_page_cache).
+The medians over rounds are printed with the ratios and issue 18's targets beside them: decode
+>= 1.5x on Q4_0 and Q4_K_M and >= 1.3x from the safetensors directory against llama.cpp's BF16;
+prefill >= 1.2x llama.cpp's best of Q4_0 and Q4_K_M. Without llama.cpp only hetmoe on the directory
+is measured, and no peer figure is printed.
 """
 
 from __future__ import annotations
@@ -82,15 +82,19 @@ def release_page_cache(keep: Path, files: list[tuple[str, Path, Path | None]]) -
     a bf16 model with its BF16 GGUF can exceed the RAM (GLM-4.5-Air's 4 layers: 2 x 14.5 GB): the
     file measured before would otherwise push out pages of the one measured now, rarely-routed
     experts' first, to be read from disk inside the timed steps. Each program gets the RAM it would
-    have alone."""
+    have alone. Every file of the run, ``keep``'s included, is first written back (fsync): the files
+    the run has just built and converted are dirty pages, which DONTNEED leaves, and whose writeback
+    would otherwise take the disk and a core inside the first round's timed steps."""
     if not hasattr(os, "posix_fadvise"):
         return
     paths = {p for _, ours, theirs in files for p in (ours, theirs) if p is not None}
-    others = {f for p in paths for f in _files_of(p)} - set(_files_of(keep))
-    for f in sorted(others):
+    kept = set(_files_of(keep))
+    for f in sorted({f for p in paths for f in _files_of(p)}):
         fd = os.open(f, os.O_RDONLY)
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.fsync(fd)
+            if f not in kept:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
