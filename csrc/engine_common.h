@@ -158,6 +158,11 @@ T* sized(std::vector<T>& v, size_t n) {
 
 // Whether the GEMM path of a bf16 model meets its bf16 activations in the table's VDPBF16PS kernel.
 inline bool bf16_dot(const KernelTable* kt) { return kt->gemm_bf16 != nullptr && cpu_features().avx512bf16; }
+// Activations `x` of dtype `x_dtype` as the bf16 rows the GEMVs may read (Act::h): where they are
+// bf16 and the CPU multiplies bf16 pairs; nullptr otherwise.
+inline const uint16_t* bf16_x(const KernelTable* kt, const void* x, int x_dtype) {
+  return x_dtype == kBF16Data && bf16_dot(kt) ? static_cast<const uint16_t*>(x) : nullptr;
+}
 
 // Rows [n0, n1) (at most kPanelRows) of expert e's weights as bf16 rows for gemm_bf16: bf16 weights
 // as stored; any other method dequantized and rounded to bf16 in `f32` / `b16` (per-worker scratch),

@@ -66,6 +66,9 @@ struct Act {
   const float* d = nullptr;
   const int32_t* sum = nullptr;  // per block: sum of its codes (for formats with a min term, Q4_K)
   bool wide = false;             // in the 512-bit GEMVs' layout (kActQuads, kActNaturalPairs)
+  // The same row in bf16, where the caller's activations were bf16 (so `f` holds the same values) and
+  // the CPU has AVX512-BF16 (engine_common.h: bf16_x): the bf16 GEMV multiplies on it (VDPBF16PS).
+  const uint16_t* h = nullptr;
 };
 
 // The 512-bit GEMVs' layouts, for the whole groups of 8 blocks of a row (kernels_common.inc; the blocks

@@ -12,6 +12,7 @@ namespace {
 using engine::act_quant_for;
 using engine::bf16_dot;
 using engine::bf16_rows;
+using engine::bf16_x;
 using engine::ActBuffers;
 using engine::f32_to_bf16;
 using engine::item_rows;
@@ -53,6 +54,7 @@ class LinearJob final : public Job {
     }
     items_.repeat(T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
+    xh_ = bf16_x(kt, x, x_dtype);
     if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T));  // the GEMM path reads fp32 rows
     // AMX: each token chunk packed once (phase 1) for all its row items (engine::GroupTiles), or by its
     // item where it has one (moe_engine.cpp: MoEJob's experts the same way).
@@ -121,7 +123,10 @@ class LinearJob final : public Job {
       for (int a = 0; a < nt; a += kGemvTokens) {
         const int n = std::min(kGemvTokens, nt - a);
         Act acts[kGemvTokens];
-        for (int i = 0; i < n; ++i) acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
+        for (int i = 0; i < n; ++i) {
+          acts[i] = x_act_.act(x_row(t0 + a + i), t0 + a + i);
+          if (xh_) acts[i].h = xh_ + size_t(t0 + a + i) * K_;
+        }
         kt_->gemv[w_.method](w_, 0, first, last, acts, n, block + size_t(a) * rows_, rows_);
       }
     } else if (engine::tile_gemm(kt_)) {  // AMX: the chunk's tokens packed once (phase 1, or here)
@@ -169,6 +174,7 @@ class LinearJob final : public Job {
   engine::NodeRowItems items_;  // phase 2's: each node's output rows, once per token chunk
   int N_ = 0, K_ = 0, rows_ = 0, token_chunk_ = 1;  // rows_: the largest item's
   engine::Buf<float> xf_;
+  const uint16_t* xh_ = nullptr;  // x itself where the GEMVs may read it in bf16 (Act::h)
   ActBuffers x_act_;
   engine::TileForms forms_;     // what the tile GEMM reads
   engine::GroupTiles x_tiles_;  // the token chunks packed for the tile GEMMs, a group each

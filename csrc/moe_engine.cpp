@@ -50,6 +50,7 @@ class MoEJob final : public Job {
     up_items_.repeat(A);
     down_items_.repeat(A);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * H);
+    xh_ = engine::bf16_x(kt, x, x_dtype);
     // Where gate and up read the activations as int8 digits on AMX tiles, each token is quantized once
     // in phase 0 and every expert gathers its tokens' digit rows (a token goes to top-k experts, which
     // each quantized it again). The int4 layer at 512 tokens on the AMX Xeon: perf put ~4 ms of 70 in
@@ -295,6 +296,7 @@ class MoEJob final : public Job {
           const int tok = slot_token_[a.first_slot + t0 + i];
           acts[i] = x_act_.act(x_row(tok), tok);
           if (own_up) up_acts[i] = xu_act_.act(x_row(tok), tok);
+          if (xh_) acts[i].h = up_acts[i].h = xh_ + size_t(tok) * H_;  // Act::h
         }
         float* g = h_.get() + size_t(a.first_slot + t0) * I_ + n0;
         // Gate straight into h (row stride I), up into scratch; then h = silu(h) * up.
@@ -414,6 +416,7 @@ class MoEJob final : public Job {
   int S_ = 0;
   engine::NodeRowItems up_items_, down_items_;  // phase 2's (rows of I) and phase 5's (rows of H)
   engine::Buf<float> xf_, h_, ybuf_;
+  const uint16_t* xh_ = nullptr;  // x itself where the gate and up GEMVs may read it in bf16 (Act::h)
   engine::Buf<int8_t> xq_;  // phase 0's digit rows of the tokens, where gate and up read digits (xq_hi)
   int8_t* xq_base_ = nullptr;  // xq_ at its first 64-byte boundary
   engine::Buf<float> xq_d_;

@@ -16,7 +16,7 @@ from conftest import TILE_GEMM_BOUND, TILE_ISAS, engine_isas
 
 from hetmoe.formats import QuantizedTensor, get_codec, snr_db
 from hetmoe.kernels import select_isa
-from hetmoe.kernels.dispatch import selected_isa
+from hetmoe.kernels.dispatch import engine_module, selected_isa
 from hetmoe.runtime.cpu_linear import CPULinear
 from hetmoe.runtime.fused_linears import FusedSlice
 
@@ -98,6 +98,39 @@ def test_long_rows_four_at_a_time_sum_as_one_row(method: str, isa: str) -> None:
     one, two = lin(x[:1]), lin(x)
     assert torch.equal(one[0], two[0])
     assert _rel(one, x[:1].double() @ deq.T) < FP32_BOUND[method]
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("k", [2048 + 32, LONG_K])
+def test_bf16_rows_on_bf16_activations(k: int, isa: str) -> None:
+    """A bf16 model's GEMV: bf16 weights on bf16 activations, fp32 out. Where the CPU has AVX512-BF16,
+    the AVX-512 units multiply the bf16 pairs themselves (VDPBF16PS, kernels.h Act::h): each product
+    of two bf16 values is exact in fp32, so the sums keep the fp32 bound (1e-5) of the float64
+    reference; 1 to 4 tokens sum each row in the same order (the first token's outputs equal bit for
+    bit, whether one token takes four rows a pass or not); K = 2080 leaves a last 32 past the loop's
+    64 a step. There the outputs differ in some bit from the fp32 loop's on the same values (the
+    sums run in another order): the bf16 path ran."""
+    select_isa(isa)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(LONG_N, k, generator=g) * 0.02
+    q = get_codec("bf16").quantize(w)
+    deq = get_codec("bf16").dequantize(q, torch.float32).double()
+    lin = CPULinear(q, gemv_max_tokens=4)
+    x = torch.randn(4, k, generator=g).bfloat16()
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # fp32 out, whatever x's dtype (the engine's own call)
+        y = torch.empty(x.shape[0], LONG_N)
+        dtype = {torch.float32: 0, torch.bfloat16: 1}[x.dtype]  # cpu_linear._ENGINE_DTYPES
+        lin._engine.forward(x.data_ptr(), dtype, x.shape[0], y.data_ptr(), 0)
+        return y
+
+    outs = [run(x[:t]) for t in (1, 2, 3, 4)]
+    for y in outs:
+        assert torch.equal(y[0], outs[0][0])
+    ref = x.double() @ deq.T
+    assert _rel(outs[-1], ref) < FP32_BOUND["bf16"]
+    if isa != "avx2" and engine_module().cpu_features()["avx512_bf16"]:
+        assert not torch.equal(outs[-1], run(x.float()))
 
 
 def _int8_gemm_bound() -> float:
