@@ -576,8 +576,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "set_weight_prefetch",
       [](int hint) {
-        if (hint < -1 || hint > kPrefetchT1)
-          throw py::value_error("weight prefetch: expected 0 (T0), 1 (NTA), 2 (T1) or -1 (this CPU's default), found " +
+        if (hint < -1 || hint > kPrefetchNone)
+          throw py::value_error(
+              "weight prefetch: expected 0 (T0), 1 (NTA), 2 (T1), 3 (none) or -1 (this CPU's default), found " +
                                 std::to_string(hint));
         g_weight_prefetch = hint < 0 ? default_weight_prefetch() : hint;
       },

@@ -202,7 +202,7 @@ extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // How the GEMVs prefetch the weight rows they stream (kernels_common.inc: prefetch_line): into every
 // cache level (T0), non-temporally (NTA), or into L2 and outward but not L1 (T1). Atomic for the same
 // reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
-enum WeightPrefetch : int { kPrefetchT0 = 0, kPrefetchNta = 1, kPrefetchT1 = 2 };
+enum WeightPrefetch : int { kPrefetchT0 = 0, kPrefetchNta = 1, kPrefetchT1 = 2, kPrefetchNone = 3 };
 extern std::atomic<int> g_weight_prefetch;
 // From this K on, a decode GEMV on fp32 activations (bf16, fp8) streams several rows a pass, sharing each
 // load of x: x's fp32 row then fills half of this CPU's L1d or more (cpu_features.cpp).

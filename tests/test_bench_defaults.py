@@ -21,7 +21,7 @@ def test_candidates_are_the_tuners_choices_once_each() -> None:
     assert switches == {0, GEMV_ALL_TOKENS, *TOKENS_PER_EXPERT[1:]}  # every count of the grid, both paths alone
     for switch in switches - {0}:  # where a GEMV runs: the tuned widths and each width alone, each prefetch
         assert {(c.bits, c.prefetch) for c in got if c.gemv_max == switch} == {
-            (b, p) for b in (0, 256, 512) for p in ("nta", "t0", "t1")
+            (b, p) for b in (0, 256, 512) for p in ("nta", "t0", "t1", "none")
         }
     assert {c.bits for c in got if c.gemv_max == 0} == {0}  # no GEMV runs: its width changes nothing
     # bf16's GEMV has one width; AVX-512 beside AMX tiles
@@ -36,8 +36,8 @@ def test_switches_at_or_above_the_token_count_are_one_candidate() -> None:
     got = candidates("int8", default, ("avx512",), 8)
     assert {c.gemv_max for c in got[1:]} == {0, 2, 4, GEMV_ALL_TOKENS}
     assert Config("avx512", 0, "nta", GEMV_ALL_TOKENS) not in got  # the default already runs it
-    # decode: the GEMV at the tuned widths and at each width, each of 3 prefetches; or the GEMM, each prefetch
-    assert len(candidates("int8", default, ("avx512",), 1)) == 3 * 3 + 3
+    # decode: the GEMV at the tuned widths and at each width, each of 4 prefetches; or the GEMM, each prefetch
+    assert len(candidates("int8", default, ("avx512",), 1)) == 3 * 4 + 4
 
 
 @pytest.mark.skipif(not engine_module().cpu_features()["can_avx512"], reason="the 256/512-bit choice is AVX-512's")

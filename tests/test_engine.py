@@ -328,7 +328,8 @@ def test_default_gemv_switch_follows_the_vector_width() -> None:
 
 
 def test_weight_prefetch_hint_changes_no_result() -> None:
-    """T0, T1 or non-temporal weight prefetches: the same bytes, so bit-identical outputs; the
+    """T0, T1, non-temporal or no weight prefetches: the same bytes, so bit-identical outputs, on fp32
+    and on bf16 activations (the bf16 GEMV's VDPBF16PS loop where the CPU has AVX512-BF16); the
     environment and the setter choose, and a bad value is a clear error."""
     from hetmoe.kernels.dispatch import set_weight_prefetch, weight_prefetch
 
@@ -340,18 +341,19 @@ def test_weight_prefetch_hint_changes_no_result() -> None:
         for method in ("int4", "int8", "bf16"):
             codec = get_codec(method, **({"group_size": 32} if method == "int4" else {}))
             ce = CPUExperts(*(codec.quantize(t) for t in w))
-            outs = []
-            for hint in ("nta", "t0", "t1"):
-                set_weight_prefetch(hint)
-                assert weight_prefetch() == hint
-                outs.append(ce.forward(x, ids, weights_t))
-            assert all(torch.equal(outs[0], o) for o in outs[1:]), method
+            for xx in (x, x.bfloat16()):
+                outs = []
+                for hint in ("nta", "t0", "t1", "none"):
+                    set_weight_prefetch(hint)
+                    assert weight_prefetch() == hint
+                    outs.append(ce.forward(xx, ids, weights_t))
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), (method, xx.dtype)
     finally:
         set_weight_prefetch("default")
     with pytest.raises(ValueError, match="expected one of"):
         set_weight_prefetch("l2")
     code = "from hetmoe.kernels.dispatch import weight_prefetch; print(weight_prefetch())"
-    for hint in ("nta", "t0", "t1"):
+    for hint in ("nta", "t0", "t1", "none"):
         env = {**os.environ, "HETMOE_WEIGHT_PREFETCH": hint}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
         assert proc.returncode == 0 and proc.stdout.strip() == hint, proc

@@ -189,7 +189,7 @@ def _add_defaults_parser(bsub: argparse._SubParsersAction) -> None:
             "For each method and token count, one Qwen3-30B-A3B-shaped MoE layer (128 experts of 2048 x 768, top-8, "
             "routing drawn at random each run) runs under every candidate of the tuner's choices: the kernel variant "
             "(AMX tiles or AVX-512, where the CPU has both), the integer GEMVs' width (256 or 512 bits), the weights' "
-            "prefetch (t0, t1 or nta) and the GEMV/GEMM switch (each count of the tuner's grid). The candidates "
+            "prefetch (t0, t1, nta or none) and the GEMV/GEMM switch (each count of the tuner's grid). The candidates "
             "alternate, caches evicted before each run; the default's median is compared with the best one's. "
             "The default is what load_model runs with: the tuned choices, measured on first use."
         ),

@@ -13,7 +13,8 @@ them) or :func:`set_int_vector_bits` chooses.
 The GEMVs prefetch the weight rows they stream ahead of use: before tuning non-temporally on AMD (a
 row read once a step then stops evicting what the step reuses: measured faster on Zen 5) and into
 every cache level (T0) elsewhere; the tuner measures T0, T1 (into L2, not L1: the faster one on an
-AMX Xeon) and NTA; ``HETMOE_WEIGHT_PREFETCH=t0|t1|nta`` or :func:`set_weight_prefetch` chooses.
+AMX Xeon), NTA and none (the hardware's prefetchers alone);
+``HETMOE_WEIGHT_PREFETCH=t0|t1|nta|none`` or :func:`set_weight_prefetch` chooses.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any
 ISA_ENV = "HETMOE_ISA"
 INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
 WEIGHT_PREFETCH_ENV = "HETMOE_WEIGHT_PREFETCH"
-_PREFETCH_HINTS = {"t0": 0, "nta": 1, "t1": 2, "default": -1}  # the engine's WeightPrefetch (kernels.h)
-PREFETCH_CHOICES = ("t0", "t1", "nta")
+_PREFETCH_HINTS = {"t0": 0, "nta": 1, "t1": 2, "none": 3, "default": -1}  # the engine's WeightPrefetch (kernels.h)
+PREFETCH_CHOICES = ("t0", "t1", "nta", "none")
 _PREFETCH_NAMES = {_PREFETCH_HINTS[c]: c for c in PREFETCH_CHOICES}  # the engine's value -> its name
 _module: ModuleType | None = None
 
@@ -160,7 +161,8 @@ def gemv_width_family(layout: str) -> str | None:
 
 def set_weight_prefetch(hint: str) -> None:
     """How the GEMVs prefetch weight rows: ``t0`` (into every cache level), ``t1`` (into L2 and
-    outward, not L1), ``nta`` (non-temporal) or ``default`` (nta on AMD, t0 elsewhere); applies from
+    outward, not L1), ``nta`` (non-temporal), ``none`` (the hardware's prefetchers alone) or
+    ``default`` (nta on AMD, t0 elsewhere); applies from
     the next engine call. Results do not change, only which caches the streamed weights pass through."""
     if hint not in _PREFETCH_HINTS:
         raise ValueError(f"weight prefetch: expected one of {sorted(_PREFETCH_HINTS)}, got {hint!r}")
@@ -168,7 +170,7 @@ def set_weight_prefetch(hint: str) -> None:
 
 
 def weight_prefetch() -> str:
-    """The GEMVs' weight prefetch now: ``t0``, ``t1`` or ``nta``."""
+    """The GEMVs' weight prefetch now: ``t0``, ``t1``, ``nta`` or ``none``."""
     return _PREFETCH_NAMES[engine_module().weight_prefetch()]
 
 

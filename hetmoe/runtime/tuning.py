@@ -7,8 +7,8 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
 - the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4-bit GEMVs on int4 and
   the int16-code ones on int8, each on decode and on 8 tokens an expert apart (the engine runs a job
   whose busiest expert has at most 4 tokens at the decode width);
-- how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1, or
-  non-temporally), on bf16, int8 and int4 decode (on an AMX Xeon non-temporal took 1.3-2.4x as long and
+- how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1,
+  non-temporally, or not at all), on bf16, int8 and int4 decode (on an AMX Xeon non-temporal took 1.3-2.4x as long and
   L2 was the fastest; on a Zen 5 non-temporal was);
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them; else, for the bf16 activations timed here,
@@ -55,11 +55,13 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 14: the weight prefetch has a third candidate, T1; 13: the AMX digit GEMMs convert their sums behind
-# the next tile's products (the GEMV/GEMM switch points move); 12: each candidate runs with its code in
-# cache, as in a model (11: the layers it times are on huge pages, as a model's weights are; 10: the
-# integer GEMVs' width per family and regime; 9: 4-bit GEMMs on AMX take int8 digit tiles)
-TUNING_VERSION = 14
+# 15: the weight prefetch has a fourth candidate, none (the bf16 GEMV on bf16 activations streams
+# faster without it on a Zen 4); 14: the weight prefetch has a third candidate, T1; 13: the AMX
+# digit GEMMs convert their sums behind the next tile's products (the GEMV/GEMM switch points move);
+# 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
+# pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit
+# GEMMs on AMX take int8 digit tiles)
+TUNING_VERSION = 15
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
