@@ -579,7 +579,7 @@ PYBIND11_MODULE(_C, m) {
         if (hint < -1 || hint > kPrefetchNone)
           throw py::value_error(
               "weight prefetch: expected 0 (T0), 1 (NTA), 2 (T1), 3 (none) or -1 (this CPU's default), found " +
-                                std::to_string(hint));
+              std::to_string(hint));
         g_weight_prefetch = hint < 0 ? default_weight_prefetch() : hint;
       },
       py::arg("hint"));
