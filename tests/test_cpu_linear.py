@@ -17,7 +17,7 @@ from conftest import TILE_GEMM_BOUND, TILE_ISAS, engine_isas
 from hetmoe.formats import QuantizedTensor, get_codec, snr_db
 from hetmoe.kernels import select_isa
 from hetmoe.kernels.dispatch import engine_module, selected_isa
-from hetmoe.runtime.cpu_linear import CPULinear
+from hetmoe.runtime.cpu_linear import _ENGINE_DTYPES, CPULinear
 from hetmoe.runtime.fused_linears import FusedSlice
 
 N, K = 200, 640  # N is not a multiple of the 24-row panels (tails exercised); K a multiple of 128
@@ -120,8 +120,7 @@ def test_bf16_rows_on_bf16_activations(k: int, isa: str) -> None:
 
     def run(x: torch.Tensor) -> torch.Tensor:  # fp32 out, whatever x's dtype (the engine's own call)
         y = torch.empty(x.shape[0], LONG_N)
-        dtype = {torch.float32: 0, torch.bfloat16: 1}[x.dtype]  # cpu_linear._ENGINE_DTYPES
-        lin._engine.forward(x.data_ptr(), dtype, x.shape[0], y.data_ptr(), 0)
+        lin._engine.forward(x.data_ptr(), _ENGINE_DTYPES[x.dtype], x.shape[0], y.data_ptr(), _ENGINE_DTYPES[y.dtype])
         return y
 
     outs = [run(x[:t]) for t in (1, 2, 3, 4)]
