@@ -88,15 +88,27 @@ enum ActQuant : int {
   kActQuadsHalves = 5,
   kActQuadsK = 6,
   kActQuadsQ6K = 7,
+  kActQuadsHalvesQ4 = 8,
+  kActPairsHalves = 9,
 };
-inline bool act_is_gguf_digits(int mode) { return mode >= kActQuadsHalves; }  // 512-bit only
+// kActQuadsHalvesQ4 (Q4_0) is kActQuadsHalves byte for byte at 512 bits; its 256-bit form (the
+// 256-bit GEMVs and a wide row's tail) is kActPairsHalves, kActPairs' digits with each block's k 0-15
+// where kActPairs has its even k and 16-31 where it has the odd: Q4_0's nibbles (codes 0-15) then
+// meet them as int4's do, two blocks a 256-bit vector (gemv_nibble_t). IQ4's codes (its table + 128,
+// up to 241) are past what PMADDUBSW's int16 lanes hold for a digit pair, and Q5_0's fifth bits are
+// not merged there: the other GGUF digit layouts run on int16 codes (kActNatural) at 256 bits.
+inline bool act_is_gguf_digits(int mode) { return mode >= kActQuadsHalves && mode <= kActQuadsHalvesQ4; }  // 512-bit only
 inline bool act_is_wide(int mode) { return mode == kActQuads || mode == kActNaturalPairs || act_is_gguf_digits(mode); }
-inline bool act_is_digits(int mode) { return mode == kActPairs || mode == kActQuads || act_is_gguf_digits(mode); }
+inline bool act_is_digits(int mode) {
+  return mode == kActPairs || mode == kActQuads || mode == kActPairsHalves || act_is_gguf_digits(mode);
+}
 inline int act_sums(int mode, int K) { return mode == kActQuadsQ6K ? K / 16 : K / kActBlock; }  // per row
-// The layout of the blocks past a row's last whole group of 8 in a 512-bit layout: the one the
-// 256-bit kernels read (the K-quants, per 256 weights, never have such blocks).
+// A 512-bit layout's 256-bit form: the layout the 256-bit GEMVs read, and that of a row's blocks past
+// its last whole group of 8 in the 512-bit layout (the K-quants, per 256 weights, never have such blocks).
 inline int act_tail_layout(int mode) {
-  return mode == kActQuads ? kActPairs : mode == kActNaturalPairs || act_is_gguf_digits(mode) ? kActNatural : mode;
+  if (mode == kActQuads) return kActPairs;
+  if (mode == kActQuadsHalvesQ4) return kActPairsHalves;
+  return mode == kActNaturalPairs || act_is_gguf_digits(mode) ? kActNatural : mode;
 }
 
 struct KernelTable {

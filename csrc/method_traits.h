@@ -99,7 +99,7 @@ constexpr MethodTraits kMethodTraits[] = {
     {kQ6K, "gguf:q6_k", 256, int(sizeof(BlockQ6K)), 6.5625, kActQuadsQ6K, true, 256, kTileDigitsOnly},
     {kQ5K, "gguf:q5_k", 256, int(sizeof(BlockQ5K)), 5.5, kActQuadsK, true, 256, kTileCodesMin},
     {kIQ4XS, "gguf:iq4_xs", 256, int(sizeof(BlockIQ4XS)), 4.25, kActQuadsHalves, true, 256, kTileCodesNone},
-    {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalves, true, 32, kTileCodesDigits},
+    {kQ4_0, "gguf:q4_0", 32, int(sizeof(BlockQ4_0)), 4.5, kActQuadsHalvesQ4, true, 32, kTileCodesDigits},
     {kQ8_0, "gguf:q8_0", 32, int(sizeof(BlockQ8_0)), 8.5, kActNatural, true, 32, kTileCodesDigits},
     {kIQ4NL, "gguf:iq4_nl", 32, int(sizeof(BlockIQ4NL)), 4.5, kActQuadsHalves, true, 32, kTileCodesNone},
     {kQ5_0, "gguf:q5_0", 32, int(sizeof(BlockQ5_0)), 5.5, kActQuadsHalves, true, 32, kTileCodesNone},
