@@ -94,9 +94,10 @@ enum ActQuant : int {
 // kActQuadsHalvesQ4 (Q4_0) is kActQuadsHalves byte for byte at 512 bits; its 256-bit form (the
 // 256-bit GEMVs and a wide row's tail) is kActPairsHalves, kActPairs' digits with each block's k 0-15
 // where kActPairs has its even k and 16-31 where it has the odd: Q4_0's nibbles (codes 0-15) then
-// meet them as int4's do, two blocks a 256-bit vector (gemv_nibble_t). IQ4's codes (its table + 128,
-// up to 241) are past what PMADDUBSW's int16 lanes hold for a digit pair, and Q5_0's fifth bits are
-// not merged there: the other GGUF digit layouts run on int16 codes (kActNatural) at 256 bits.
+// meet them as int4's do, two blocks a 256-bit vector (gemv_nibble_t). The other GGUF digit layouts
+// run on int16 codes (kActNatural) at 256 bits: IQ4's codes (its table + 128, up to 241) are past what
+// PMADDUBSW's int16 lanes hold for a digit pair, and Q5_0 on digits, its fifth bits merged a pair at a
+// time, ran slower than on int16 codes (Zen 4's AVX2 unit, 4096 x 2048 in cache: 300-314 -> 328-361 us).
 inline bool act_is_gguf_digits(int mode) { return mode >= kActQuadsHalves && mode <= kActQuadsHalvesQ4; }  // 512-bit only
 inline bool act_is_wide(int mode) { return mode == kActQuads || mode == kActNaturalPairs || act_is_gguf_digits(mode); }
 inline bool act_is_digits(int mode) {
