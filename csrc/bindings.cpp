@@ -106,6 +106,35 @@ Proj proj_from(const py::tuple& t) {
   return p;
 }
 
+// Per-head blocks (decode_step.h: head_gemv) from a projection descriptor whose experts are the heads:
+// bf16 or a method with its scales inside its blocks (the GGUF types), heads not overlapping.
+Proj head_blocks(const py::tuple& descriptor, const std::string& what) {
+  const Proj p = proj_from(descriptor);
+  if (p.method != kBF16 && !method_traits(p.method).scales_inside)
+    throw py::value_error(what + ": a method with scales apart is not taken (GGUF block types and bf16 are)");
+  if (p.w_estride < p.w_rstride * p.n) throw py::value_error(what + ": the heads' blocks overlap");
+  return p;
+}
+
+// MLA's per-head blocks for DecodeMLABlock, N rows of K a head: (pointer, bytes between heads, bytes
+// between rows) of bf16 blocks, or a descriptor (head_blocks).
+Proj mla_head_blocks(const py::tuple& t, int64_t N, int64_t K, const char* name) {
+  const std::string what = std::string("DecodeMLABlock: ") + name;
+  if (t.size() == 3) {
+    const auto w = t[0].cast<uintptr_t>();
+    const auto head = t[1].cast<int64_t>(), row = t[2].cast<int64_t>();
+    if (!w || row < 2 * K || head < row * N)
+      throw py::value_error(what + ": bf16 blocks need a pointer, row bytes >= 2 K and head bytes >= N rows");
+    return bf16_head_blocks(reinterpret_cast<const uint8_t*>(w), head, row, int(N), int(K));
+  }
+  if (t.size() != 15) throw py::value_error(what + ": expected (pointer, head bytes, row bytes) or a descriptor");
+  const Proj p = head_blocks(t, what);
+  if (p.n != N || p.k != K)
+    throw py::value_error(what + ": expected " + std::to_string(N) + " rows of " + std::to_string(K) +
+                          " per head, found " + std::to_string(p.n) + " of " + std::to_string(p.k));
+  return p;
+}
+
 // A MoE layer's projection against the layer's shape: gate and up map hidden to intermediate, down
 // intermediate to hidden. A mismatch would make the kernels read past a row or write past the output.
 void check_moe_proj(const char* name, const Proj& p, int rows, int cols) {
@@ -365,6 +394,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("groups"), py::arg("length"), py::arg("dim"), py::arg("k_strides"), py::arg("v_strides"),
       py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("sinks") = 0);
   m.def(
+      "head_gemv",
+      [](const py::tuple& descriptor, int64_t heads, uintptr_t x, int64_t x_stride, uintptr_t y) {
+        // y fp32 [heads, N] = W_h x_h per head h, W a projection descriptor (proj_from) whose experts are
+        // the heads (MLA's attn_k_b / attn_v_b as a GGUF file stores them), x fp32 [heads][K] x_stride
+        // floats apart (models/mla_decode.py; the decode step calls head_gemv itself).
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        const Proj p = head_blocks(descriptor, "head_gemv");
+        if (heads <= 0 || x_stride < p.k) throw py::value_error("head_gemv: bad shape");
+        py::gil_scoped_release release;
+        head_gemv(g_selected, p, heads, reinterpret_cast<const float*>(x), x_stride, reinterpret_cast<float*>(y));
+      },
+      py::arg("descriptor"), py::arg("heads"), py::arg("x"), py::arg("x_stride"), py::arg("y"));
+  m.def(
       "head_gemv_bf16",
       [](uintptr_t w, int64_t w_head, int64_t w_row, int64_t heads, int N, int K, uintptr_t x, int64_t x_stride,
          uintptr_t y) {
@@ -374,8 +416,8 @@ PYBIND11_MODULE(_C, m) {
         if (heads <= 0 || N <= 0 || K <= 0 || K % 16 || w_row < 2 * int64_t(K) || x_stride < K)
           throw py::value_error("head_gemv_bf16: bad shape");
         py::gil_scoped_release release;
-        head_gemv_bf16(g_selected, reinterpret_cast<const uint8_t*>(w), w_head, w_row, heads, N, K,
-                       reinterpret_cast<const float*>(x), x_stride, reinterpret_cast<float*>(y));
+        head_gemv(g_selected, bf16_head_blocks(reinterpret_cast<const uint8_t*>(w), w_head, w_row, N, K), heads,
+                  reinterpret_cast<const float*>(x), x_stride, reinterpret_cast<float*>(y));
       },
       py::arg("w"), py::arg("w_head"), py::arg("w_row"), py::arg("heads"), py::arg("n"), py::arg("k"), py::arg("x"),
       py::arg("x_stride"), py::arg("y"));
@@ -797,7 +839,8 @@ PYBIND11_MODULE(_C, m) {
              // A latent-attention layer's attention half for one token, bf16 (mla_step.h); norms: four
              // (weight pointer, eps, mode) for the input, q_a (0, 0, 0 without q_rank), kv_a and
              // post-attention norms; w_uk_t, w_uv: (pointer, bytes between heads, bytes between rows)
-             // of bf16 blocks. Everything stays owned by Python (hetmoe/models/mla_decode.py).
+             // of bf16 blocks, or descriptors whose experts are the heads (mla_head_blocks). Everything stays
+             // owned by Python (hetmoe/models/mla_decode.py).
              if (!g_selected) throw py::value_error("select_isa() must be called first");
              if (hidden <= 0 || heads <= 0 || nope <= 0 || nope % 16 || rank <= 0 || rank % 16 || rope <= 0 ||
                  rope % 16 || v_dim <= 0 || q_rank < 0 || norms.size() != 4)
@@ -823,8 +866,8 @@ PYBIND11_MODULE(_C, m) {
                if (used && (!spec[i].weight || spec[i].mode < kNormCastThenScale || spec[i].mode > kNormOffsetScale))
                  throw py::value_error("DecodeMLABlock: norm " + std::to_string(i) + " needs a weight and a mode");
              }
-             if (w_uk_t.size() != 3 || w_uv.size() != 3 || !w_uk_t[0].cast<uintptr_t>() || !w_uv[0].cast<uintptr_t>())
-               throw py::value_error("DecodeMLABlock: w_uk_t and w_uv are (pointer, head bytes, row bytes)");
+             const Proj uk = mla_head_blocks(w_uk_t, rank, nope, "w_uk_t");
+             const Proj uv = mla_head_blocks(w_uv, v_dim, rank, "w_uv");
              return new DecodeMLABlock{g_selected,
                                        hidden,
                                        heads,
@@ -842,12 +885,8 @@ PYBIND11_MODULE(_C, m) {
                                        q_in,
                                        kv_a,
                                        q_b,
-                                       reinterpret_cast<const uint8_t*>(w_uk_t[0].cast<uintptr_t>()),
-                                       w_uk_t[1].cast<int64_t>(),
-                                       w_uk_t[2].cast<int64_t>(),
-                                       reinterpret_cast<const uint8_t*>(w_uv[0].cast<uintptr_t>()),
-                                       w_uv[1].cast<int64_t>(),
-                                       w_uv[2].cast<int64_t>(),
+                                       uk,
+                                       uv,
                                        o_proj};
            }),
            py::arg("hidden"), py::arg("heads"), py::arg("nope"), py::arg("rope"), py::arg("rank"), py::arg("v_dim"),

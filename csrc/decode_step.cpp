@@ -31,10 +31,7 @@ void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int
   job->wait();
 }
 
-void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int64_t w_row, int64_t heads, int N,
-                    int K, const float* x, int64_t x_stride, float* y) {
-  constexpr int kRows = 64;
-  const int chunks = (N + kRows - 1) / kRows;
+Proj bf16_head_blocks(const uint8_t* w, int64_t w_head, int64_t w_row, int N, int K) {
   Proj p;
   p.w = w;
   p.w_estride = w_head;
@@ -42,11 +39,33 @@ void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int
   p.n = N;
   p.k = K;
   p.method = kBF16;
-  auto job = std::make_shared<ForJob>(int(heads * chunks), [=](int item) {
-    const int h = item / chunks, n0 = item % chunks * kRows, n1 = std::min(N, n0 + kRows);
-    Act a;
-    a.f = x + h * x_stride;
-    kt->gemv[kBF16](p, h, n0, n1, &a, 1, y + int64_t(h) * N + n0, 0);
+  return p;
+}
+
+void head_gemv(const KernelTable* kt, const Proj& p, int64_t heads, const float* x, int64_t x_stride, float* y) {
+  const int N = p.n;
+  if (p.method == kBF16) {
+    constexpr int kRows = 64;
+    const int chunks = (N + kRows - 1) / kRows;
+    auto job = std::make_shared<ForJob>(int(heads * chunks), [=, &p](int item) {
+      const int h = item / chunks, n0 = item % chunks * kRows, n1 = std::min(N, n0 + kRows);
+      Act a;
+      a.f = x + h * x_stride;
+      kt->gemv[kBF16](p, h, n0, n1, &a, 1, y + int64_t(h) * N + n0, 0);
+    });
+    global_pool()->submit(job);
+    job->wait();
+    return;
+  }
+  // One token's layout for this method and width (what LinearEngine's one-token GEMV reads)
+  const int mode = engine::act_quant_for(kt, p.method, p.k, 1);
+  auto job = std::make_shared<ForJob>(int(heads), [=, &p](int h) {
+    thread_local engine::ActBuffers act;
+    if (act.K != p.k || act.mode != mode) act.allocate(1, p.k, mode);
+    const float* xh = x + h * x_stride;
+    act.quantize(kt, xh, 0);
+    const Act a = act.act(xh, 0);
+    kt->gemv[p.method](p, h, 0, N, &a, 1, y + int64_t(h) * N, 0);
   });
   global_pool()->submit(job);
   job->wait();

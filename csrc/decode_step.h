@@ -20,11 +20,15 @@ void attn_decode_heads(const KernelTable* kt, const float* q, int64_t batch, int
                        int64_t vh, int64_t vr, int kv_dtype, const float* mask, const float* sinks, float scale,
                        float* out);
 
-// y[h * N + n] = dot(W_h[n, :K], x + h * x_stride) for h < heads, n < N: a separate bf16 weight
-// block per head (MLA's W_UK^T and W_UV, models/mla_attention.py), rows w_row bytes apart and
-// blocks w_head bytes apart, x fp32; items of up to 64 rows over the engine's pool. K a multiple of 16.
-void head_gemv_bf16(const KernelTable* kt, const uint8_t* w, int64_t w_head, int64_t w_row, int64_t heads, int N,
-                    int K, const float* x, int64_t x_stride, float* y);
+// y[h * N + n] = dot(W_h[n, :K], x + h * x_stride) for h < heads, n < N = p.n, K = p.k: a separate
+// weight block per head (MLA's W_UK^T and W_UV), head h being the projection's "expert" h (rows
+// p.w_rstride bytes apart, blocks p.w_estride), x fp32. bf16 blocks (models/mla_attention.py, K a
+// multiple of 16) meet x as it is, in items of up to 64 rows; any other method's (a GGUF file's
+// attn_k_b / attn_v_b as stored, models/mla_decode.py) meets each head's x quantized to the
+// method's activation layout, an item a head, as LinearEngine's GEMVs do.
+void head_gemv(const KernelTable* kt, const Proj& p, int64_t heads, const float* x, int64_t x_stride, float* y);
+// The bf16 form: blocks w_head bytes apart, rows w_row bytes apart.
+Proj bf16_head_blocks(const uint8_t* w, int64_t w_head, int64_t w_row, int N, int K);
 
 // Where the step writes this token's key and value rows and reads the cache: [heads, capacity, D]
 // buffers in the step's dtype, strides in elements (unit stride along D), `position` the new row; the

@@ -103,7 +103,7 @@ void DecodeMLABlock::run(const void* x, const void* cos, const void* sin, uint8_
     kt->bf16_to_f32(q + hd * qk, q_nope.data() + hd * nope, int(nope));
     kt->bf16_to_f32(q_rot.data() + hd * rope, query.data() + hd * dk + rank, int(rope));
   }
-  head_gemv_bf16(kt, w_uk_t, uk_head, uk_row, heads, int(rank), int(nope), q_nope.data(), nope, q_lat.data());
+  head_gemv(kt, w_uk_t, heads, q_nope.data(), nope, q_lat.data());
   for (int64_t hd = 0; hd < heads; ++hd)
     std::memcpy(query.data() + hd * dk, q_lat.data() + hd * rank, size_t(rank) * sizeof(float));
 
@@ -119,7 +119,7 @@ void DecodeMLABlock::run(const void* x, const void* cos, const void* sin, uint8_
   attn_decode_heads(kt, query.data(), groups, 1, int(heads / groups), position + 1, int(dk), cache, 0, 0, row_stride,
                     cache, 0, 0, row_stride, kBF16Data, nullptr, nullptr, scale, o_lat.data());
   out.resize(size_t(heads) * v_dim);
-  head_gemv_bf16(kt, w_uv, uv_head, uv_row, heads, int(v_dim), int(rank), o_lat.data(), dk, out.data());
+  head_gemv(kt, w_uv, heads, o_lat.data(), dk, out.data());
   attn.resize(size_t(heads) * v_dim * kElem);
   kt->f32_to_bf16(out.data(), reinterpret_cast<uint16_t*>(attn.data()), int(heads * v_dim));
   o.resize(size_t(hidden) * kElem);

@@ -4,8 +4,8 @@
 // Python-level ones. RMSNorm -> q (q_a -> q_a_norm -> q_b, or q_proj) and the compressed kv (kv_a)
 // -> kv_a_norm on the latent, rotary on the query's and key's rope parts -> the latent row appended
 // to the cache -> q_lat = W_UK^T q_nope per head -> one shared KV head over the cached rows ->
-// W_UV per head -> o_proj -> residual add -> post-attention RMSNorm. bf16 only: the per-head
-// products run in the engine's bf16 GEMV, and a CPU load runs MLA models in bf16.
+// W_UV per head -> o_proj -> residual add -> post-attention RMSNorm. bf16 activations only (a CPU
+// load runs MLA models in bf16); the per-head products run on bf16 blocks or on the file's own.
 #pragma once
 #include <cstdint>
 
@@ -34,12 +34,10 @@ struct DecodeMLABlock {
                        // rank + rope rows of kv_a where kv_a is nullptr (the two fused)
   LinearEngine* kv_a;  // hidden -> rank + rope, or nullptr
   LinearEngine* q_b;   // q_rank -> heads * (nope + rope), or nullptr without q_rank
-  // bf16 blocks read in place (owned by Python): W_UK^T [heads, rank, nope] and W_UV [heads, v_dim, rank],
-  // bytes between heads and between rows
-  const uint8_t* w_uk_t;
-  int64_t uk_head, uk_row;
-  const uint8_t* w_uv;
-  int64_t uv_head, uv_row;
+  // W_UK^T [heads, rank, nope] and W_UV [heads, v_dim, rank], read in place (owned by Python), each
+  // head an "expert" of the projection (decode_step.h: head_gemv): bf16 blocks (the model's kv_b_proj),
+  // or a GGUF file's attn_k_b and attn_v_b in their stored block type
+  Proj w_uk_t, w_uv;
   LinearEngine* o_proj;  // heads * v_dim -> hidden
 
   // x [hidden] bf16 -> x_out = x + o_proj(attention), h_out = post_norm(x_out). The cache is

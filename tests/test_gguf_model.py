@@ -40,7 +40,7 @@ pytest.importorskip("transformers")
 
 import gguf
 from gguf.quants import dequantize, quantize
-from tiny_models import logits, rel, tiny_config, tokens
+from tiny_models import logits, rel, spy_taken, tiny_config, tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hetmoe import load_model
@@ -50,6 +50,7 @@ from hetmoe.models.default import default_model_path
 from hetmoe.models.gguf_model import load_gguf_tokenizer
 from hetmoe.models.planner import kv_bytes_per_token, plan_memory
 from hetmoe.runtime.cpu_linear import CPULinear
+from hetmoe.runtime.kv_cache import growing_cache
 from hetmoe.runtime.stored_embedding import StoredEmbedding
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -952,6 +953,66 @@ def test_deepseek2_without_gating_func_is_softmax_as_llama_cpp(tmp_path: Path) -
     want = probs.gather(1, ids)
     want = want / want.sum(-1, keepdim=True) * 2.5
     assert torch.allclose(weights, want, rtol=1e-6, atol=0)
+
+
+# --- MLA's per-head products on the file's attn_k_b / attn_v_b -------------------------------------
+
+
+@ONE_ARITHMETIC
+def test_deepseek2_decode_reads_attn_k_b_and_v_b_as_stored(tmp_path: Path, monkeypatch) -> None:
+    """A deepseek2 file with kv_b_proj split (attn_k_b, attn_v_b in Q8_0 here, as llama.cpp's converter
+    writes it and its quantizer types it): the default bf16 load gives each latent-attention layer the
+    file's blocks for the decode step's W_UK^T and W_UV (mla_decode.attach_stored_heads), every decode
+    step takes the one-call block, and 12 greedy steps' logits stay within the bf16 load's bound of
+    transformers' fp32 forward over the same tokens and the file's weights (as
+    test_gguf_logits_match_transformers: 1.25 x the error of transformers' own bf16 model + 2^-8).
+    Without the stored blocks the same steps read kv_b_proj's bf16 weight (each value rounded to 8
+    bits); the stored ones are the file's exact values against int16-level activations."""
+    import hetmoe.models.fast_decode as fast_decode
+
+    widths = {"kv_lora_rank": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16, "head_dim": 16}
+    widths["num_key_value_heads"] = 4  # = the heads, as DeepSeek configs have it (latent K/V: one per head)
+    model = random_model("deepseek_v3", **widths)
+    path = tmp_path / "model.gguf"
+    state = write_gguf(model, path, split_kv_b=True)
+    ours = load_model(path, device="cpu")
+    assert ours.dtype == torch.bfloat16
+    for layer in ours.model.layers:
+        assert layer.self_attn._hetmoe_stored_heads[4] == "attn_k_b gguf:q8_0, attn_v_b gguf:q8_0"
+    assert any("decode per head on the file's attn_k_b gguf:q8_0" in line for line in ours.hetmoe.layer_paths)
+    taken = spy_taken(monkeypatch, fast_decode, "one_token_mla")
+    ids = tokens(shape=(1, 6))
+    steps, seq = [], ids
+    with torch.inference_mode():
+        cache = growing_cache(ours.config)
+        out = ours(ids, cache=cache, use_cache=True)
+        for _ in range(12):
+            nxt = out.logits[:, -1:].argmax(-1)
+            seq = torch.cat((seq, nxt), dim=1)
+            out = ours(nxt, cache=cache, use_cache=True)
+            steps.append(out.logits[:, -1].float())
+    assert len(taken) == 12 * ours.config.num_hidden_layers and all(taken)
+    # transformers' decoder layers around the absorbed forward (its one-token branch) read the same
+    # blocks with the same kernels: the same logits, bit for bit
+    monkeypatch.undo()
+    modules = [ours, *ours.model.layers]
+    forwards = [vars(m).pop("forward", None) for m in modules]
+    try:
+        with torch.inference_mode():
+            cache = growing_cache(ours.config)
+            ours(ids, cache=cache, use_cache=True)
+            for i, step in enumerate(steps):
+                out = ours(seq[:, ids.shape[1] + i : ids.shape[1] + i + 1], cache=cache, use_cache=True)
+                assert torch.equal(out.logits[:, -1].float(), step), i
+    finally:
+        for m, forward in zip(modules, forwards, strict=True):
+            if forward is not None:
+                m.forward = forward
+    got = torch.cat(steps)
+    at = slice(ids.shape[1], seq.shape[1])  # the positions the steps' logits belong to
+    want32 = logits(reference(model, state, torch.float32), seq)[0, at]
+    theirs16 = rel(logits(reference(model, state, torch.bfloat16), seq)[0, at], want32)
+    assert rel(got, want32) <= 1.25 * theirs16 + 2**-8, (rel(got, want32), theirs16)
 
 
 # --- the token embedding stays in its blocks -------------------------------------------------------

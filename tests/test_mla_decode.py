@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import engine_isas
 from tiny_models import greedy_logits
 
 from hetmoe.runtime.kv_cache import growing_cache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+INT_BOUND = 3e-4  # the engine's integer GEMVs: activations in int16 per block of 32 (tests/test_cpu_linear.py)
 
 # Widths the engine's kernels take (nope, rank and rope multiples of 16); q_lora or not, each
 # architecture's rotation (V3 interleaved pairs or rotate_half, V2 complex factors) and V3's YaRN
@@ -168,3 +171,37 @@ def test_block_follows_kv_b_changed_in_place(mla_models) -> None:
                 layer.self_attn.kv_b_proj.weight.mul_(0.5)
     for a, b in zip(_greedy(used, ids, 6, fast=True), _greedy(fresh, ids, 6, fast=True), strict=True):
         assert torch.equal(a, b)
+
+
+# The per-head products on a GGUF file's own blocks (attn_k_b [heads, rank, nope], attn_v_b [heads, v,
+# rank]): what llama.cpp's quantizer gives them (K = nope 128 in 32-blocks, K = rank 512 in K-quants too).
+_HEAD_BLOCKS = [("gguf:q8_0", 128), ("gguf:q4_0", 128), ("gguf:q5_0", 128), ("gguf:q4_k", 512), ("gguf:q6_k", 512)]
+
+
+@pytest.mark.parametrize("isa", engine_isas())
+@pytest.mark.parametrize(("method", "k"), _HEAD_BLOCKS)
+def test_head_gemv_on_stored_blocks_matches_each_heads_product(method: str, k: int, isa: str) -> None:
+    """``head_gemv`` with a head per "expert" of the projection: y[h] = W_h x_h for every head, against
+    float64 on the same stored bytes (pure torch dequantization). Each head's x is quantized to int16 per
+    block of 32 as the engine's integer GEMVs do, so the bound is theirs (tests/test_cpu_linear.py: 3e-4).
+    x rows lie apart (the decode step's rows carry the rope part after them), and heads hold different
+    weights and inputs, so a head reading another's would miss by ~100%."""
+    from hetmoe.formats import QuantizedTensor, get_codec
+    from hetmoe.kernels.dispatch import engine_module, select_isa
+    from hetmoe.runtime.engine_layout import engine_projection
+
+    select_isa(isa)
+    heads, n, stride = 4, 48, k + 16
+    g = torch.Generator().manual_seed(1)
+    codec = get_codec(method)
+    flat = codec.quantize(torch.randn(heads * n, k, generator=g) * 0.05)
+    stacked = {s: t.reshape(heads, n, -1) for s, t in flat.tensors.items()}  # a head an "expert"
+    q = QuantizedTensor(method, (heads, n, k), stacked, flat.params)
+    w = codec.dequantize(flat, torch.float32).double().view(heads, n, k)
+    x = torch.randn(heads, stride, generator=g)
+    y = torch.full((heads, n), float("nan"))
+    proj = engine_projection(q, "attn_k_b")
+    assert not proj.note  # the stored blocks, not a transcoded copy
+    engine_module().head_gemv(proj.descriptor(n, k), heads, x.data_ptr(), stride, y.data_ptr())
+    ref = torch.einsum("hnk,hk->hn", w, x[:, :k].double())
+    assert float((y.double() - ref).norm() / ref.norm()) < INT_BOUND

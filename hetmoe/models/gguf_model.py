@@ -218,6 +218,23 @@ class GGUFTensors:
             raw = raw.index_select(0, entry.rows)
         return dataclasses.replace(parts[0], shape=tuple(entry.shape), tensors={".weight": raw})
 
+    def stored_parts(self, name: str) -> list[QuantizedTensor] | None:
+        """The GGUF tensors a non-expert weight is built from, each in its block type as the file holds
+        it (views of the mapped bytes, the file's shapes): deepseek2's attn_k_b ``[heads, rank, nope]``
+        and attn_v_b ``[heads, v, rank]`` for kv_b_proj, which MLA's decode step reads per head
+        (mla_decode.py); None where any is in a float type or a type hetmoe has no codec for."""
+        if name in self._experts:
+            return None
+        parts = []
+        for key in self._entry(name).parts:
+            if str(self._raw.info(key).dtype) in _FLOATS:
+                return None
+            try:
+                parts.append(self._blocks(key)[1])
+            except UnknownMethodError:
+                return None
+        return parts
+
     def _blocks(self, key: str) -> tuple[Any, QuantizedTensor]:
         """``(codec, the tensor's blocks)`` of a GGUF tensor in a block type; UnknownMethodError for a
         type hetmoe has no codec for."""

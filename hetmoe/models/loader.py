@@ -59,7 +59,7 @@ from .fast_decode import install_fast_decode
 from .fused_norms import fuse_rms_norms
 from .fused_rope import fuse_rotary
 from .generation_config import load_generation_config
-from .mla_attention import install_mla, weight_read_linears
+from .mla_attention import attach_stored_heads, install_mla, weight_read_linears
 from .paths import layer_paths
 from .planner import plan_memory
 from .prompt_tail import install_prompt_tail
@@ -260,6 +260,8 @@ def load_model(
         fuse_rms_norms(model)  # one engine call per norm instead of ~7 eager ops (fused_norms.py)
         fuse_rotary(model)  # and one per rotary embedding (fused_rope.py)
         install_mla(model, adapter)  # latent attention in the absorbed form (mla_attention.py)
+        if gguf is not None and dense_method == STORED:  # W_UK / W_UV decode from the file's attn_k_b / attn_v_b
+            attach_stored_heads(model, source)
         install_delta_rule(model)  # Qwen3-Next's one-token delta rule in the engine (delta_rule.py)
         install_fast_decode(model, adapter)  # one-token decoder layers without transformers' glue (fast_decode.py)
     install_prompt_tail(model)  # a prompt's last MLP only for the rows whose logits are kept (prompt_tail.py)

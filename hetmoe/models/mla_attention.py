@@ -40,7 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..formats import FormatError
 from ..kernels.dispatch import engine_module
+from ..runtime.engine_layout import engine_projection
 from .adapters.base import MLAAdapter, MoEAdapter
 from .cpu_attention import _KV_DTYPES, _engine_prefill, mask_plan
 
@@ -146,15 +148,22 @@ def mla_absorbed(
 
     if _expands(attn, t, rows):
         return attn.o_proj(_expanded_prompt(attn, q_nope, q_rot, rows, mask).to(x.dtype)), None
-    w_uk_t, w_uv = _absorbed_weights(attn)
-    one = b == 1 and t == 1 and w_uk_t.dtype == torch.bfloat16 and nope % 16 == 0 and rank % 16 == 0
-    if one:  # one token: both per-head products in the engine's bf16 GEMV
-        q_lat = _head_gemv(w_uk_t, q_nope.reshape(heads, nope).float()).view(1, heads, 1, rank)
+    stored = stored_heads(attn) if b == 1 and t == 1 else None
+    if stored is not None:  # one token, the file's attn_k_b / attn_v_b blocks (attach_stored_heads)
+        q_lat = _stored_gemv(stored[0], q_nope.reshape(heads, nope).float(), rank).view(1, heads, 1, rank)
+        one = True
     else:
-        q_lat = torch.matmul(w_uk_t, q_nope.to(w_uk_t.dtype).transpose(-1, -2)).transpose(-1, -2).float()
+        w_uk_t, w_uv = _absorbed_weights(attn)
+        one = b == 1 and t == 1 and w_uk_t.dtype == torch.bfloat16 and nope % 16 == 0 and rank % 16 == 0
+        if one:  # one token: both per-head products in the engine's bf16 GEMV
+            q_lat = _head_gemv(w_uk_t, q_nope.reshape(heads, nope).float()).view(1, heads, 1, rank)
+        else:
+            q_lat = torch.matmul(w_uk_t, q_nope.to(w_uk_t.dtype).transpose(-1, -2)).transpose(-1, -2).float()
     query = torch.cat((q_lat, q_rot.float()), dim=-1)  # [B, H, T, rank + rope]
     o_lat = _attend(query, rows, rank, mask, float(attn.scaling))  # [B, H, T, rank] fp32
-    if one:
+    if stored is not None:
+        out = _stored_gemv(stored[1], o_lat[0, :, 0, :], v_dim)
+    elif one:
         out = _head_gemv(w_uv, o_lat[0, :, 0, :])
     else:
         out = torch.matmul(w_uv, o_lat.to(w_uv.dtype).transpose(-1, -2)).permute(0, 3, 1, 2)  # [B, T, H, v]
@@ -170,6 +179,17 @@ def _head_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     engine_module().head_gemv_bf16(
         w.data_ptr(), w.stride(0) * 2, w.stride(1) * 2, heads, n, k, x.data_ptr(), x.stride(0), y.data_ptr()
     )
+    return y
+
+
+def _stored_gemv(descriptor: tuple[int, ...], x: torch.Tensor, n: int) -> torch.Tensor:
+    """``y[h] = W_h @ x[h]`` for blocks a projection ``descriptor`` holds with a head an expert (the
+    file's attn_k_b or attn_v_b, ``stored_heads``), fp32 ``x [H, K]`` with unit-strided rows -> fp32
+    ``[H, n]``: the engine's GEMV of the block type, each head's x quantized to int16 per 32."""
+    heads = x.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(heads, n)
+    engine_module().head_gemv(descriptor, heads, x.data_ptr(), x.stride(0), y.data_ptr())
     return y
 
 
@@ -308,4 +328,48 @@ def _engine_plan(
     return mask_plan(mask, b, h, t, rows.shape[2])
 
 
-__all__ = ["install_mla", "mla_absorbed", "weight_read_linears"]
+def attach_stored_heads(model: nn.Module, source: Any) -> int:
+    """Give each latent-attention layer of a GGUF load its file's attn_k_b and attn_v_b as stored (the
+    GGUF source's ``stored_parts`` of kv_b_proj), for the one-token per-head products (``mla_absorbed``
+    and mla_decode.py's engine block): W_UK^T and W_UV then read the file's blocks (Q4_0, Q8_0 ...: a
+    quarter to a half of bf16's bytes, and the file's own values) instead of kv_b_proj's weight, which
+    prompts still read. Kept only while kv_b_proj's weight is the one loaded (``stored_heads``).
+    Returns how many layers have them."""
+    count = 0
+    for name, module in model.named_modules():
+        kv_b = module._modules.get("kv_b_proj") if hasattr(module, "kv_lora_rank") else None
+        if type(kv_b) is not nn.Linear:
+            continue
+        parts = source.stored_parts(f"{name}.kv_b_proj.weight")
+        if parts is None or len(parts) != 2:  # kv_b_proj stored whole (older files) or in a float type
+            continue
+        heads, nope, rank, v_dim = module.num_heads, module.qk_nope_head_dim, module.kv_lora_rank, module.v_head_dim
+        k_b, v_b = parts
+        if tuple(k_b.shape) != (heads, rank, nope) or tuple(v_b.shape) != (heads, v_dim, rank):
+            continue
+        try:
+            uk, uv = (engine_projection(q, n) for q, n in ((k_b, "attn_k_b"), (v_b, "attn_v_b")))
+        except FormatError:  # widths the engine does not take (K not a multiple of 32 ...)
+            continue
+        if uk.note or uv.note:  # a block type the engine would transcode: not the file's bytes
+            continue
+        weight = kv_b.weight
+        label = f"attn_k_b {k_b.method}, attn_v_b {v_b.method}"
+        module._hetmoe_stored_heads = (uk, uv, weight, weight_state(weight), label)
+        count += 1
+    return count
+
+
+def stored_heads(attn: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(W_UK^T's descriptor, W_UV's) from the file's blocks (attach_stored_heads), where
+    kv_b_proj still holds the weight they came with; else None (the bf16 blocks of kv_b_proj)."""
+    stored = attn.__dict__.get("_hetmoe_stored_heads")
+    if stored is None:
+        return None
+    uk, uv, weight, state, _ = stored
+    if attn.kv_b_proj.weight is not weight or weight_state(weight) != state:
+        return None
+    return uk.descriptor(attn.kv_lora_rank, attn.qk_nope_head_dim), uv.descriptor(attn.v_head_dim, attn.kv_lora_rank)
+
+
+__all__ = ["attach_stored_heads", "install_mla", "mla_absorbed", "stored_heads", "weight_read_linears"]

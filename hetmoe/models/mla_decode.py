@@ -8,6 +8,11 @@ post-attention norm. ``DecodeMLABlock`` (csrc/mla_step.h) does them in one engin
 kernels in the same order and the same roundings, so the same values (tests/test_mla_decode.py holds
 the two bit-identical over many steps). The rotation is the adapter's (``MLAAdapter.mla_rope_mode``).
 
+From a GGUF file whose kv_b_proj is split into attn_k_b and attn_v_b (llama.cpp's converter since
+2025), the per-head W_UK^T and W_UV products read those tensors' own blocks (``mla_attention.attach_stored_heads``):
+on a DeepSeek-V2-Lite-shaped Q4_0 file kv_b_proj is ~5% of a decode step's bytes in bf16 and a
+quarter of that as stored, and the products then use the file's values, not their bf16 roundings.
+
 models/fast_decode.py calls ``one_token_mla`` for the layers ``mla_layer_eligible`` accepts; it
 returns None (transformers' forward then runs) where the step does not apply: another dtype than
 bf16, a cache that does not append in place, widths the kernels do not take.
@@ -26,7 +31,7 @@ from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears, FusedSlice
 from .adapters.base import MLAAdapter
 from .fused_norms import norm_spec
-from .mla_attention import _absorbed_weights, weight_state
+from .mla_attention import _absorbed_weights, stored_heads, weight_state
 
 ROPE_MODES = {"interleaved": 0, "half": 1, "complex": 2}  # csrc/mla_step.h: MLARope
 
@@ -118,7 +123,15 @@ def _make_block(layer: nn.Module, adapter: MLAAdapter, linears: tuple[CPULinear,
             return None
     if attn.kv_b_proj.weight.dtype != dtype:
         return None
-    w_uk_t, w_uv = _absorbed_weights(attn)
+    stored = stored_heads(attn)
+    if stored is not None:
+        uk, uv = stored
+        keep = None
+    else:
+        w_uk_t, w_uv = _absorbed_weights(attn)
+        uk = (w_uk_t.data_ptr(), w_uk_t.stride(0) * 2, w_uk_t.stride(1) * 2)
+        uv = (w_uv.data_ptr(), w_uv.stride(0) * 2, w_uv.stride(1) * 2)
+        keep = w_uk_t  # the W_UK^T copy the block reads stays alive with it
     q_in, kv_a = linears
     q_b = attn.q_b_proj if q_rank else None
     if q_rank and not isinstance(q_b, CPULinear):
@@ -138,13 +151,13 @@ def _make_block(layer: nn.Module, adapter: MLAAdapter, linears: tuple[CPULinear,
             q_in._engine,
             None if kv_a is None else kv_a._engine,
             None if q_b is None else q_b._engine,
-            (w_uk_t.data_ptr(), w_uk_t.stride(0) * 2, w_uk_t.stride(1) * 2),
-            (w_uv.data_ptr(), w_uv.stride(0) * 2, w_uv.stride(1) * 2),
+            uk,
+            uv,
             attn.o_proj._engine,
         )
     except ValueError:  # sizes the block refuses (a linear of another shape): transformers' forward
         return None
-    return block, w_uk_t  # the W_UK^T copy the block reads stays alive with it
+    return block, keep
 
 
 def _tables(adapter: MLAAdapter, attn: nn.Module, position_embeddings: Any) -> tuple[torch.Tensor, Any] | None:
