@@ -9,9 +9,10 @@ kernels in the same order and the same roundings, so the same values (tests/test
 the two bit-identical over many steps). The rotation is the adapter's (``MLAAdapter.mla_rope_mode``).
 
 From a GGUF file whose kv_b_proj is split into attn_k_b and attn_v_b (llama.cpp's converter since
-2025), the per-head W_UK^T and W_UV products read those tensors' own blocks (``mla_attention.attach_stored_heads``):
-on a DeepSeek-V2-Lite-shaped Q4_0 file kv_b_proj is ~5% of a decode step's bytes in bf16 and a
-quarter of that as stored, and the products then use the file's values, not their bf16 roundings.
+2025), the per-head W_UK^T and W_UV products read those tensors' own blocks
+(``mla_attention.attach_stored_heads``): on a DeepSeek-V2-Lite-shaped Q4_0 file kv_b_proj is ~5% of
+a decode step's bytes in bf16 and a quarter of that as stored, and the products then use the file's
+values, not their bf16 roundings.
 
 models/fast_decode.py calls ``one_token_mla`` for the layers ``mla_layer_eligible`` accepts; it
 returns None (transformers' forward then runs) where the step does not apply: another dtype than
