@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hetmoe import user_environment
 from hetmoe.bench.model import drop_page_cache, plain_read
 
 _LOAD = """
@@ -71,7 +72,9 @@ def main() -> None:
     hetmoe = [sys.executable, "-c", "import sys; from hetmoe.cli.main import main; sys.exit(main())"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     lib = str(args.llama_quantize.parent) if args.llama_quantize else ""
-    llama_env = {**os.environ, "LD_LIBRARY_PATH": lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
+    # llama-quantize in the user's environment, not with what importing hetmoe set (hetmoe.user_environment)
+    user = user_environment()
+    llama_env = {**user, "LD_LIBRARY_PATH": lib + ":" + user.get("LD_LIBRARY_PATH", "")}
     rows: dict[str, list[float]] = {}
     rss: list[float] = []
     with tempfile.TemporaryDirectory(dir=args.model.parent) as tmp:

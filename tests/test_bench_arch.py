@@ -115,6 +115,44 @@ def test_llama_tools_are_checked_and_the_converter_told_the_pre_tokenizer(tmp_pa
     assert not (tmp_path / "bad.gguf").exists()  # nothing half-written is left under the name
 
 
+def test_llama_bench_runs_in_the_users_environment_not_hetmoes(tmp_path) -> None:
+    """Importing hetmoe sets OMP_WAIT_POLICY=PASSIVE in its own process (for torch's OpenMP workers);
+    llama-bench must not inherit it (its OpenMP threads then sleep between its parallel regions and
+    its decode measured 1.4-1.6x slower), while a value the user set reaches it. A stand-in llama-bench
+    reports what it was given, in child processes that import hetmoe as the benchmark does."""
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    fake = tmp_path / "bin" / "llama-bench"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os\n"
+        "seen = os.environ.get('OMP_WAIT_POLICY')\n"
+        "print(json.dumps([{'n_gen': 8, 'n_prompt': 0, 'avg_ts': 2.0 if seen == 'PASSIVE' else 1.0}]))\n"
+    )
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    run = (
+        "import os, sys; from hetmoe.bench.llama_cpp import llama_bench; "
+        "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE'; "
+        f"print(llama_bench({str(fake)!r}, {str(gguf)!r}, 2, 8, ())['decode'])"
+    )
+    env = {k: v for k, v in child_env().items() if k != "OMP_WAIT_POLICY"}
+    for user, seen in ((None, "1.0"), ("PASSIVE", "2.0")):
+        done = subprocess.run(
+            [sys.executable, "-c", run],
+            env=env if user is None else {**env, "OMP_WAIT_POLICY": user},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-500:]
+        assert done.stdout.strip() == seen, (user, done.stdout)
+
+
 def test_run_without_llama_cpp_and_the_table(tmp_path) -> None:
     """Without llama.cpp only hetmoe on the directory is measured and no peer figure is printed; with
     peer records the medians carry the ratios and prefill against the better 4-bit peer."""

@@ -10,19 +10,21 @@ with ``DIR/gguf-py`` (and ``DIR/conversion`` in recent versions).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import user_environment
 from ..checkpoint.atomic import atomic_path
 
 BUILD_SCRIPT = "../shared/peers/build_llama_cpp.sh"
 
 
 def _env(binary: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    """llama.cpp's tools run in the user's environment (not with what hetmoe set in its own process:
+    hetmoe.user_environment) with ggml's shared libraries found beside the binary."""
+    env = user_environment()
     env["LD_LIBRARY_PATH"] = f"{binary.parent}:{env.get('LD_LIBRARY_PATH', '')}"  # ggml's shared libraries
     return env
 
