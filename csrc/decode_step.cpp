@@ -60,11 +60,18 @@ void head_gemv(const KernelTable* kt, const Proj& p, int64_t heads, const float*
   // One token's layout for this method and width (what LinearEngine's one-token GEMV reads)
   const int mode = engine::act_quant_for(kt, p.method, p.k, 1);
   auto job = std::make_shared<ForJob>(int(heads), [=, &p](int h) {
-    thread_local engine::ActBuffers act;
-    if (act.K != p.k || act.mode != mode) act.allocate(1, p.k, mode);
+    // One buffer per layout a thread meets: MLA alternates W_UK^T (K = nope) and W_UV (K = rank)
+    thread_local engine::ActBuffers buffers[2];
+    engine::ActBuffers* act = nullptr;
+    for (engine::ActBuffers& b : buffers)
+      if (b.K == p.k && b.mode == mode) act = &b;
+    if (!act) {
+      act = &buffers[buffers[0].K != 0];
+      act->allocate(1, p.k, mode);
+    }
     const float* xh = x + h * x_stride;
-    act.quantize(kt, xh, 0);
-    const Act a = act.act(xh, 0);
+    act->quantize(kt, xh, 0);
+    const Act a = act->act(xh, 0);
     kt->gemv[p.method](p, h, 0, N, &a, 1, y + int64_t(h) * N, 0);
   });
   global_pool()->submit(job);

@@ -978,7 +978,7 @@ def test_deepseek2_decode_reads_attn_k_b_and_v_b_as_stored(tmp_path: Path, monke
     ours = load_model(path, device="cpu")
     assert ours.dtype == torch.bfloat16
     for layer in ours.model.layers:
-        assert layer.self_attn._hetmoe_stored_heads[4] == "attn_k_b gguf:q8_0, attn_v_b gguf:q8_0"
+        assert layer.self_attn._hetmoe_stored_heads.label == "attn_k_b gguf:q8_0, attn_v_b gguf:q8_0"
     assert any("decode per head on the file's attn_k_b gguf:q8_0" in line for line in ours.hetmoe.layer_paths)
     taken = spy_taken(monkeypatch, fast_decode, "one_token_mla")
     ids = tokens(shape=(1, 6))

@@ -196,20 +196,16 @@ class GGUFTensors:
         bytes, or whole rows of blocks gathered where the rows move or come from several tensors of
         one type), where its parts are rows of the transformers shape in a block (not float) type;
         else None (``get`` decodes it)."""
-        if name in self._experts:
-            return None
-        entry = self._entry(name)
-        if entry.build is not None or len(entry.shape) != 2:
+        entry = None if name in self._experts else self._entry(name)
+        if entry is None or entry.build is not None or len(entry.shape) != 2:
             return None
         infos = [self._raw.info(p) for p in entry.parts]
-        types = {str(i.dtype) for i in infos}
-        if len(types) != 1 or types & set(_FLOATS) or any(len(i.shape) != 2 for i in infos):
+        if len({str(i.dtype) for i in infos}) != 1 or any(len(i.shape) != 2 for i in infos):
             return None
         if sum(i.shape[0] for i in infos) != entry.shape[0] or any(i.shape[1] != entry.shape[1] for i in infos):
             return None
-        try:
-            parts = [self._blocks(p)[1] for p in entry.parts]
-        except UnknownMethodError:
+        parts = self.stored_parts(name)  # None for a float type or one without a codec
+        if parts is None:
             return None
         if len(parts) == 1 and entry.rows is None:
             return parts[0]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -150,7 +151,7 @@ def mla_absorbed(
         return attn.o_proj(_expanded_prompt(attn, q_nope, q_rot, rows, mask).to(x.dtype)), None
     stored = stored_heads(attn) if b == 1 and t == 1 else None
     if stored is not None:  # one token, the file's attn_k_b / attn_v_b blocks (attach_stored_heads)
-        q_lat = _stored_gemv(stored[0], q_nope.reshape(heads, nope).float(), rank).view(1, heads, 1, rank)
+        q_lat = _stored_gemv(stored.uk, q_nope.reshape(heads, nope).float(), rank).view(1, heads, 1, rank)
         one = True
     else:
         w_uk_t, w_uv = _absorbed_weights(attn)
@@ -162,7 +163,7 @@ def mla_absorbed(
     query = torch.cat((q_lat, q_rot.float()), dim=-1)  # [B, H, T, rank + rope]
     o_lat = _attend(query, rows, rank, mask, float(attn.scaling))  # [B, H, T, rank] fp32
     if stored is not None:
-        out = _stored_gemv(stored[1], o_lat[0, :, 0, :], v_dim)
+        out = _stored_gemv(stored.uv, o_lat[0, :, 0, :], v_dim)
     elif one:
         out = _head_gemv(w_uv, o_lat[0, :, 0, :])
     else:
@@ -328,6 +329,20 @@ def _engine_plan(
     return mask_plan(mask, b, h, t, rows.shape[2])
 
 
+@dataclass(frozen=True)
+class StoredHeads:
+    """A latent-attention layer's W_UK^T and W_UV as its GGUF file stores them (attn_k_b, attn_v_b):
+    the engine's descriptors of the two, a head an expert; the projections that keep their bytes
+    alive; and the kv_b_proj weight (and its state) they stand in for."""
+
+    uk: tuple[int, ...]
+    uv: tuple[int, ...]
+    keep: tuple[Any, ...]
+    weight: torch.Tensor
+    state: tuple[int, int]
+    label: str  # what `hetmoe generate -v` names (models/paths.py)
+
+
 def attach_stored_heads(model: nn.Module, source: Any) -> int:
     """Give each latent-attention layer of a GGUF load its file's attn_k_b and attn_v_b as stored (the
     GGUF source's ``stored_parts`` of kv_b_proj), for the one-token per-head products (``mla_absorbed``
@@ -354,22 +369,25 @@ def attach_stored_heads(model: nn.Module, source: Any) -> int:
         if uk.note or uv.note:  # a block type the engine would transcode: not the file's bytes
             continue
         weight = kv_b.weight
-        label = f"attn_k_b {k_b.method}, attn_v_b {v_b.method}"
-        module._hetmoe_stored_heads = (uk, uv, weight, weight_state(weight), label)
+        module._hetmoe_stored_heads = StoredHeads(
+            uk.descriptor(rank, nope),
+            uv.descriptor(v_dim, rank),
+            (uk, uv),
+            weight,
+            weight_state(weight),
+            f"attn_k_b {k_b.method}, attn_v_b {v_b.method}",
+        )
         count += 1
     return count
 
 
-def stored_heads(attn: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(W_UK^T's descriptor, W_UV's) from the file's blocks (attach_stored_heads), where
-    kv_b_proj still holds the weight they came with; else None (the bf16 blocks of kv_b_proj)."""
+def stored_heads(attn: nn.Module) -> StoredHeads | None:
+    """The file's blocks for W_UK^T and W_UV (attach_stored_heads), where kv_b_proj still holds the
+    weight they came with; else None (the bf16 blocks of kv_b_proj)."""
     stored = attn.__dict__.get("_hetmoe_stored_heads")
-    if stored is None:
+    if stored is None or attn.kv_b_proj.weight is not stored.weight or weight_state(stored.weight) != stored.state:
         return None
-    uk, uv, weight, state, _ = stored
-    if attn.kv_b_proj.weight is not weight or weight_state(weight) != state:
-        return None
-    return uk.descriptor(attn.kv_lora_rank, attn.qk_nope_head_dim), uv.descriptor(attn.v_head_dim, attn.kv_lora_rank)
+    return stored
 
 
-__all__ = ["attach_stored_heads", "install_mla", "mla_absorbed", "stored_heads", "weight_read_linears"]
+__all__ = ["StoredHeads", "attach_stored_heads", "install_mla", "mla_absorbed", "stored_heads", "weight_read_linears"]

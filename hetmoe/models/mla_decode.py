@@ -126,7 +126,7 @@ def _make_block(layer: nn.Module, adapter: MLAAdapter, linears: tuple[CPULinear,
         return None
     stored = stored_heads(attn)
     if stored is not None:
-        uk, uv = stored
+        uk, uv = stored.uk, stored.uv
         keep = None
     else:
         w_uk_t, w_uv = _absorbed_weights(attn)

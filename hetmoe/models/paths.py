@@ -76,10 +76,10 @@ def _linears(layer: nn.Module) -> str:
         if id(mod) in fused or id(mod) in routers:
             continue
         if name.endswith("kv_b_proj") and getattr(layer.self_attn.__dict__.get("forward"), "hetmoe_mla", False):
-            stored = layer.self_attn.__dict__.get("_hetmoe_stored_heads")  # mla_decode.attach_stored_heads
+            stored = layer.self_attn.__dict__.get("_hetmoe_stored_heads")  # mla_attention.attach_stored_heads
             how = "MLA reads its weight per head"
             if stored:
-                how = f"decode per head on the file's {stored[4]}, prompts on this weight"
+                how = f"decode per head on the file's {stored.label}, prompts on this weight"
             kinds[f"{_linear(mod)} (kv_b_proj: {how})"] += 1
         elif isinstance(mod, FusedSlice | CPULinear | nn.Linear):
             kinds[_linear(mod)] += 1
