@@ -21,6 +21,7 @@ SOURCES = [
     "measure.cpp",
     "norms.cpp",
     "decode_step.cpp",
+    "routing.cpp",
     "mla_step.cpp",
     "delta_rule.cpp",
     "numa.cpp",

@@ -12,6 +12,7 @@
 
 #include "cpu_features.h"
 #include "decode_step.h"
+#include "routing.h"
 #include "delta_rule.h"
 #include "engine_common.h"
 #include "gguf_rows.h"
@@ -775,7 +776,8 @@ PYBIND11_MODULE(_C, m) {
                                              v_proj,
                                              o_proj,
                                              router,
-                                             gated};
+                                             gated,
+                                             DecodeMoEHalf{}};
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
@@ -801,7 +803,7 @@ PYBIND11_MODULE(_C, m) {
             if (!x || !cos || !sin || !kbuf || !vbuf || !x_out || !h_out || (b.router != nullptr) != (logits != 0))
               throw py::value_error("DecodeAttentionBlock.run: a null buffer (logits: exactly when a router is set)");
             py::gil_scoped_release release;
-            b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
+            return b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
                   reinterpret_cast<const void*>(sin),
                   {reinterpret_cast<uint8_t*>(kbuf), reinterpret_cast<uint8_t*>(vbuf), k_head_stride, k_row_stride,
                    v_head_stride, v_row_stride, position, first},
@@ -809,7 +811,42 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("k_head_stride"),
           py::arg("k_row_stride"), py::arg("v_head_stride"), py::arg("v_row_stride"), py::arg("position"),
-          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"), py::arg("first") = 0);
+          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"), py::arg("logits"), py::arg("first") = 0)
+      .def(
+          "set_moe",
+          [](DecodeAttentionBlock& b, MoEEngine* experts, uintptr_t skip_mask, int top_k, bool normalize,
+             bool round_bf16, uintptr_t counts) {
+            // The layer's MoE half (decode_step.h: DecodeMoEHalf), or none with experts None. The mask
+            // ([E] uint8) and counts ([E] int64, or 0) stay owned by Python, as the engine's own are.
+            if (experts) {
+              if (!b.router || b.router->rows() != experts->experts())
+                throw py::value_error("DecodeAttentionBlock.set_moe: the block's router must give one logit an expert");
+              if (top_k <= 0 || top_k > experts->experts())
+                throw py::value_error("DecodeAttentionBlock.set_moe: top_k must be in [1, experts]");
+              if (!skip_mask) throw py::value_error("DecodeAttentionBlock.set_moe: a null skip mask");
+            }
+            b.moe = experts ? DecodeMoEHalf{experts, reinterpret_cast<const uint8_t*>(skip_mask), top_k, normalize,
+                                            round_bf16, reinterpret_cast<int64_t*>(counts)}
+                            : DecodeMoEHalf{};
+          },
+          py::arg("experts").none(true), py::arg("skip_mask") = 0, py::arg("top_k") = 0, py::arg("normalize") = false,
+          py::arg("round_bf16") = false, py::arg("counts") = 0, py::keep_alive<1, 2>());
+
+  m.def(
+      "softmax_topk",
+      [](uintptr_t logits, int dtype, int64_t rows, int64_t experts, int k, bool normalize, bool round_bf16,
+         uintptr_t ids, uintptr_t weights) {
+        // routing.h; tensors checked in Python (hetmoe/models/adapters/routing.py)
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("softmax_topk: dtype must be 0 or 1");
+        if (rows < 0 || experts <= 0 || k <= 0 || k > experts)
+          throw py::value_error("softmax_topk: needs rows >= 0 and 1 <= k <= experts");
+        if (!logits || !ids || !weights) throw py::value_error("softmax_topk: a null buffer");
+        py::gil_scoped_release release;
+        softmax_topk(reinterpret_cast<const void*>(logits), dtype, rows, experts, k, normalize, round_bf16,
+                     reinterpret_cast<int64_t*>(ids), reinterpret_cast<float*>(weights));
+      },
+      py::arg("logits"), py::arg("dtype"), py::arg("rows"), py::arg("experts"), py::arg("k"), py::arg("normalize"),
+      py::arg("round_bf16"), py::arg("ids"), py::arg("weights"));
 
   m.def(
       "gated_delta_step",

@@ -1,14 +1,16 @@
 #include "decode_step.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "engine_common.h"
-#include "moe_engine.h"  // global_pool()
+#include "moe_engine.h"
 #include "norms.h"
+#include "routing.h"
 #include "thread_pool.h"
 
 namespace hetmoe {
@@ -214,8 +216,8 @@ void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int
   rms_norm(x_out, post_norm.weight, h_out, dtype, 1, hidden, post_norm.eps, post_norm.mode);
 }
 
-void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out,
-                               void* h_out, void* logits) const {
+double DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out,
+                                 void* h_out, void* logits) const {
   const size_t elem = dtype == kBF16Data ? 2 : 4;
   thread_local std::vector<uint8_t> h, qkv_row, attn, o, gate;
   h.resize(size_t(hidden) * elem);
@@ -243,7 +245,7 @@ void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, 
   if (gated) apply_gate(kt, attn.data(), gate.data(), dtype, heads * D);
   linear_row(o_proj, attn.data(), dtype, o.data(), dtype);
   residual_post_norm(kt, x, o.data(), dtype, hidden, post_norm, x_out, h_out);
-  if (!router) return;
+  if (!router) return 0;
   // The router takes an fp32 copy of h and rounds its fp32 logits to the dtype.
   thread_local std::vector<float> a;
   if (dtype == kBF16Data) {
@@ -256,6 +258,23 @@ void DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin, 
   } else {
     linear_row(router, h_out, kF32, logits, kF32);
   }
+  if (!moe.experts) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  thread_local std::vector<int64_t> ids;
+  thread_local std::vector<float> weights;
+  thread_local std::vector<uint8_t> y;
+  ids.resize(moe.top_k);
+  weights.resize(moe.top_k);
+  y.resize(size_t(hidden) * elem);
+  softmax_topk(logits, dtype, 1, router->rows(), moe.top_k, moe.normalize, moe.round_bf16, ids.data(),
+               weights.data());
+  moe.experts->wait(
+      moe.experts->submit(h_out, dtype, 1, ids.data(), moe.top_k, weights.data(), y.data(), moe.skip_mask));
+  combine(kt, x_out, y.data(), dtype, hidden, x_out, [](float a, float b) { return a + b; });  // as torch adds them
+  if (moe.counts)
+    for (int64_t id : ids)
+      if (!moe.skip_mask || !moe.skip_mask[id]) ++moe.counts[id];
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace hetmoe

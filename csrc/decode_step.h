@@ -11,6 +11,8 @@
 
 namespace hetmoe {
 
+class MoEEngine;
+
 // One query token's attention for each (batch row, KV head), an item each over the engine's pool (the
 // waiting caller included): q fp32 [B, KV, G, D] contiguous; K/V rows of (b, h) at k + (b * kb + h *
 // kh) elements, kr / vr elements apart; mask fp32 additive [B, L] or nullptr; sinks fp32 [KV * G] (a
@@ -72,8 +74,22 @@ void linear_row(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtyp
 void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int dtype, int64_t hidden,
                         const NormSpec& post_norm, void* x_out, void* h_out);
 
+// The rest of a decoder layer, run by DecodeAttentionBlock after its attention half, where the MoE block
+// routes by softmax top-k from the block's router logits (routing.h) and every routed expert is in one
+// CPU engine (no shared experts, none on a device: hetmoe/models/fast_decode.py checks each step):
+// route, the engine's forward of h_out, x_out += its output as torch adds them. What HybridMoE's
+// forward_routed does for one token with the same engine, without returning to Python.
+struct DecodeMoEHalf {
+  MoEEngine* experts = nullptr;        // nullptr: the block ends at the router's logits
+  const uint8_t* skip_mask = nullptr;  // the experts' skip mask [E] (CPUExperts owns it), read each step
+  int top_k = 0;
+  bool normalize = false, round_bf16 = false;  // routing.h's softmax_topk
+  int64_t* counts = nullptr;  // tokens each expert took [E] (HybridMoE's counts), incremented; or nullptr
+};
+
 // A decoder layer's attention half for one token (shapes checked by the Python side once, when it
-// makes the block, and the per-step pointers by hetmoe/models/fast_decode.py).
+// makes the block, and the per-step pointers by hetmoe/models/fast_decode.py); with `moe`, the whole
+// layer.
 struct DecodeAttentionBlock {
   const KernelTable* kt;
   int dtype;  // of the hidden states and every weight the step touches
@@ -92,15 +108,17 @@ struct DecodeAttentionBlock {
   // ([H * 2D] where the query alone is [H * D]), and the attention's output is multiplied by
   // sigmoid(gate) before o_proj, as transformers' Qwen3NextAttention does in the dtype.
   bool gated = false;
+  DecodeMoEHalf moe;
 
   // The q projection's output width: [H * D], or [H * 2D] when gated.
   int64_t q_width() const { return heads * D * (gated ? 2 : 1); }
 
   // x [hidden] -> x_out = x + o_proj(attention(...)), h_out = post_norm(x_out), both [hidden] in
   // dtype; with a router, logits [experts] = router(fp32(h_out)) rounded to dtype, as
-  // models/adapters/routing.py computes a bf16 router's logits.
-  void run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out, void* h_out,
-           void* logits) const;
+  // models/adapters/routing.py computes a bf16 router's logits. With moe.experts (and the router),
+  // x_out then also has the MoE block's output added; returns the seconds that part took (else 0).
+  double run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out, void* h_out,
+             void* logits) const;
 };
 
 }  // namespace hetmoe

@@ -132,8 +132,9 @@ def test_one_token_engine_paths_are_bit_identical(tiny_cache, monkeypatch, path:
     block, direct = taken["_one_token_block"], taken["_norm_rope_direct"]
     if path == "block":
         assert block and all(block) and not direct
-        # every decode step's routing came from the engine's logits (route itself ran for the prompt)
-        assert routed["route"] == layers and routed["route_logits"] == layers * 7
+        # every decode step ran the whole layer in the block, routing included (csrc/routing.h, the
+        # engine's softmax top-k, which route_logits also calls): route ran only for the prompt
+        assert routed["route"] == layers and routed["route_logits"] == layers
     else:
         assert not any(block) and direct and all(direct)
     monkeypatch.undo()
@@ -160,6 +161,40 @@ def test_model_forward_is_fast_and_bit_identical_in_generate(tiny_cache) -> None
         slow = model.generate(ids, cache=growing_cache(model.config), **kwargs)
     assert torch.equal(fast.sequences, slow.sequences)
     for a, b in zip(fast.scores, slow.scores, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_routing(tiny_cache, monkeypatch) -> None:
+    """Where the block runs the whole layer (decode_step.h's DecodeMoEHalf), it adds each decode
+    token's experts to the HybridMoE's counts, as forward_routed does. Recording routing is
+    forward_routed's work in Python, so the layer's MoE half then runs there again; it routes alike, so
+    the recorded counts equal the block's, and the logits are bit-identical."""
+    from hetmoe import load_model
+
+    model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
+    moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
+    k = model.config.num_experts_per_tok
+    calls = []
+    real = HybridMoE.forward_routed
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.layer)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridMoE, "forward_routed", spy)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    before = [m.cpu_counts.clone() for m in moe]
+    fast = _steps(model, ids, 9, fast=True)  # the prompt, then 9 one-token steps
+    counted = [m.cpu_counts - b for m, b in zip(moe, before, strict=True)]
+    assert len(calls) == len(moe)  # forward_routed ran for the prompt only
+    assert all(int(c.sum()) == (5 + 9) * k for c in counted)
+    calls.clear()
+    moe[0].stats.record_routing = True
+    recorded = _steps(model, ids, 9, fast=True)
+    assert len(calls) == 10 * len(moe)  # the prompt and every step in Python
+    for m, c in zip(moe, counted, strict=True):
+        assert torch.equal(moe[0].stats.routing[m.layer], c)
+    for a, b in zip(fast, recorded, strict=True):
         assert torch.equal(a, b)
 
 
@@ -239,12 +274,18 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
     fast = _steps(model, ids, 24, fast=True)
     assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
-    # The block computes the router's logits where the adapter routes from them (the router weight
-    # stays bf16 in both loads). GLM-4-MoE's router takes fp32 products, so it does not; MiniMax-M2's
+    # The block computes the router's logits where the adapter routes from them and the router weight
+    # is bf16. GLM-4-MoE's router takes fp32 products, so it does not; MiniMax-M2's
     # rounds x to the weight's dtype first, so an fp32 load's logits are refused and it routes itself;
     # gpt-oss's router has a bias, which the block's router call does not add.
+    # Qwen3-MoE's, Mixtral's and OLMoE's bf16 blocks then route from those logits and run the experts
+    # themselves (decode_step.h's DecodeMoEHalf: the engine's softmax top-k, which route_logits calls
+    # too), so route_logits ran only for the prompt; their fp32 loads keep an fp32 router, which the
+    # block does not run.
     if family.startswith(("glm4_moe", "gpt_oss")) or (family.startswith("minimax_m2") and dtype == torch.float32):
         assert not any(from_logits)
+    elif adapter.decode_softmax_topk(moe[0].adapter) is not None and dtype == torch.bfloat16:
+        assert from_logits == [True] * len(moe), from_logits
     else:
         assert len(from_logits) >= 24 * len(moe) and all(from_logits[-24 * len(moe) :]), from_logits
     monkeypatch.undo()

@@ -3,7 +3,9 @@
 What is compared, precisely (``rel(a, b) = max|a - b| / max|b|`` over all logits):
 
 - routing: each adapter's routing function against the transformers router module of the same
-  block on the same input: the same ids and bit-identical weights.
+  block on the same input: the same ids and bit-identical weights; where the routing is softmax
+  top-k, which the engine computes (csrc/routing.h), the same ids and the weights within the two
+  paths' roundings (test_routing_matches_transformers_router).
 - bf16 experts, fp32 models: ``load_model(path, method="bf16", dtype=float32)`` against
   ``AutoModelForCausalLM.from_pretrained(path, dtype=float32)``. Both run the checkpoint's bf16
   expert weights exactly (bf16 -> fp32 is exact); the CPU engine accumulates in fp32 in another
@@ -100,6 +102,10 @@ def _router_variants(model_type: str) -> list[dict]:
     }.get(model_type, [])
 
 
+# Routers whose route_logits is routing.py's softmax_topk: the engine's on the CPU (csrc/routing.h)
+ENGINE_SOFTMAX_TOPK = {"qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "mixtral"}
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_routing_matches_transformers_router(model_type: str) -> None:
     from tiny_models import tiny_config
@@ -119,8 +125,16 @@ def test_routing_matches_transformers_router(model_type: str) -> None:
             args = (block.e_score_correction_bias,) if model_type == "minimax_m2" else ()
             _, want_w, want_ids = router(x, *args)
             got_w, got_ids = adapter.route(block, x)
-        assert torch.equal(got_ids, want_ids), (model_type, overrides)
-        assert got_w.dtype == want_w.dtype and torch.equal(got_w, want_w), (model_type, overrides)
+        assert got_w.dtype == want_w.dtype and torch.equal(got_ids, want_ids), (model_type, overrides)
+        if model_type not in ENGINE_SOFTMAX_TOPK:
+            assert torch.equal(got_w, want_w), (model_type, overrides)
+            continue
+        # Each weight is within a few fp32 ulps of exact on both sides (the engine: one rounding;
+        # torch: its vectorised exp, the multiply by 1 / sum and the renormalising division, each
+        # within an ulp or two): 2^-20 apart at most. Rounded to bf16, two such values are at most
+        # one bf16 step apart: 2^-7 of the value.
+        bound = 2**-7 if want_w.dtype == torch.bfloat16 else 2**-20
+        assert ((got_w.float() - want_w.float()).abs() <= bound * want_w.float().abs()).all(), (model_type, overrides)
 
 
 # --- logits -------------------------------------------------------------------------------------

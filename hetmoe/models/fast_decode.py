@@ -22,7 +22,11 @@ rotary embedding over each head's leading values (partial rotary: GLM-4-MoE, Min
 tables of each frequency once, ``decode_rotary_tables``), gpt-oss's attention sinks and its
 sliding-window layers (the step attends over the window's rows of a ``SlidingLayer``, so no mask is
 needed past the window), Qwen3-Next's query gate (``decode_gated_query``: the output times
-sigmoid(gate) before o_proj; that sigmoid is the engine's, within 2 ulp of torch's). Where it does not
+sigmoid(gate) before o_proj; that sigmoid is the engine's, within 2 ulp of torch's). Where the MoE
+block routes by softmax top-k from those logits and all its experts are in one CPU engine
+(``MoEAdapter.decode_softmax_topk``: Qwen3-MoE, Mixtral, OLMoE), the same call runs the rest of the
+layer too: the routing (csrc/routing.h, which the Python path calls as well), the experts, the
+residual add; the whole layer is then one engine call (``DecodeMoEHalf``). Where it does not
 (another cache), Qwen3-MoE's layers take the same steps as separate engine calls; other families
 take transformers' forward.
 """
@@ -40,6 +44,7 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import engine_module
+from ..runtime.cpu_experts import CPUExperts
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from ..runtime.hybrid import HybridMoE
@@ -484,6 +489,40 @@ def _make_attention_block(
     return block, router, kv, sinks
 
 
+def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype) -> None:
+    """Give the block the layer's MoE half (csrc/decode_step.h: DecodeMoEHalf) where its HybridMoE
+    routes by softmax top-k from the block's logits (``MoEAdapter.decode_softmax_topk``) and this
+    step would run all of it in one CPU engine: no expert on a device, none deferred, no layerwise
+    prefill, no routing being recorded (HybridMoE.forward_routed does those in Python). Otherwise
+    the block ends at the logits. Set again only when what it points to changed."""
+    mlp = layer._modules["mlp"]
+    key = None
+    spec = mlp.adapter.decode_softmax_topk() if router is not None and isinstance(mlp, HybridMoE) else None
+    if spec is not None:
+        cpu = mlp.cpu
+        if (
+            isinstance(cpu, CPUExperts)
+            and not len(mlp.device_experts or ())
+            and mlp.deferred is None
+            and (mlp.layerwise is None or not mlp.layerwise.applies(1))
+            and not mlp.stats.record_routing
+        ):
+            key = (block, cpu, mlp._cpu_counts, spec)
+    cached = layer.__dict__.get("_hetmoe_moe_half")
+    if cached is key or (
+        cached is not None and key is not None and all(map(operator.is_, cached[:3], key[:3])) and cached[3] == key[3]
+    ):
+        return
+    if key is None:
+        block.set_moe(None)
+    else:
+        k, normalize, rounded = spec
+        counts = mlp._cpu_counts
+        block.set_moe(cpu._engine, cpu._mask.data_ptr(), k, normalize, rounded and dtype == torch.bfloat16,
+                      counts.data_ptr())  # fmt: skip
+    layer._hetmoe_moe_half = key
+
+
 def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:
     """The layer for one token with its attention half as one engine call (the router's logits too,
     where the MoE block routes from them): the same kernels in the same order as ``_one_token``'s
@@ -516,7 +555,8 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     x_out = torch.empty(1, 1, hidden, dtype=dtype)
     h_out = torch.empty(1, hidden, dtype=dtype)
     logits = None if router is None else torch.empty(1, router.out_features, dtype=dtype)
-    block.run(
+    _set_moe_half(layer, block, router, dtype)
+    moe_seconds = block.run(
         x.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
@@ -535,6 +575,14 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     )
     layer_cache.commit(1)
     mlp = layer._modules["mlp"]
+    if moe_seconds:  # the block ran the MoE half too: x_out is the layer's output
+        t = mlp.stats.timing
+        t.calls += 1
+        t.tokens += 1
+        t.moe_s += moe_seconds
+        t.cpu_s += moe_seconds
+        t.wait_s += moe_seconds  # the caller waited for all of it
+        return x_out
     routed = None if logits is None else mlp.adapter.route_logits(mlp, logits)
     if routed is None:  # no logits, or the adapter does not route from these after all
         out = mlp(h_out.view(1, 1, hidden))

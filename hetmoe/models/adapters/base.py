@@ -120,6 +120,13 @@ class MoEAdapter(ABC):
         """The output of the shared experts for ``x [T, H]``, or None when there are none."""
         return None
 
+    def decode_softmax_topk(self) -> tuple[int, bool, bool] | None:
+        """``(k, normalize, round)`` where ``route_logits`` is ``softmax_topk(logits, k, normalize,
+        logits.dtype if round else None)`` (routing.py) and the block has no shared experts: the
+        one-call decode layer then routes in the engine and runs the experts there too, the layer
+        without a return to Python (models/fast_decode.py). None otherwise."""
+        return None
+
     @property
     def activation(self) -> Activation:
         """The experts' activation for the torch paths (device experts, CPU fallback)."""

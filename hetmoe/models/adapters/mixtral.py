@@ -31,7 +31,11 @@ class MixtralAdapter(MoEAdapter):
         return self.route_logits(block, router_logits(x, block.gate.weight))
 
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(logits, self.top_k(), True, None)
+        k, normalize, rounded = self.decode_softmax_topk()
+        return softmax_topk(logits, k, normalize, logits.dtype if rounded else None)
+
+    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
+        return self.top_k(), True, False
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

@@ -2,11 +2,16 @@
 
 Each mirrors, operation for operation and dtype for dtype, what the transformers router of the
 architectures that use it computes, so that hetmoe picks the same experts with the same weights
-bit for bit (a different rounding order could flip a near-tie and send a token elsewhere). Inputs
-are router logits ``[T, E]``; outputs are ``(weights [T, k], ids [T, k])``.
+bit for bit (a different rounding order could flip a near-tie and send a token elsewhere). The
+exception is ``softmax_topk`` on CPU logits: the engine computes it (csrc/routing.h), more exactly
+than torch and with equal logits ranked by expert index, because the one-call decode layer routes
+with it in C++ and every path of a layer must route alike. Inputs are router logits ``[T, E]``;
+outputs are ``(weights [T, k], ids [T, k])``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,12 +88,43 @@ def softmax_topk(
 
     ``out_dtype``: the dtype the weights are cast to afterwards (the logits' for Qwen and OLMoE),
     None to keep fp32 (Mixtral).
+
+    CPU logits without autograd are routed by the engine (csrc/routing.h), as the one-call decode
+    layer routes them (models/fast_decode.py), so that a layer routes alike whichever path runs it:
+    each weight within one fp32 rounding of the exact value (torch's vectorised exp and its
+    multiply-by-reciprocal are a few ulps off it, tests/test_hybrid.py), equal logits ranked by
+    expert index (torch.topk leaves their order unspecified). Elsewhere, torch's own ops.
     """
+    engine = _engine_for(logits, out_dtype)
+    if engine is not None:
+        experts = logits.shape[-1]
+        rows = logits.numel() // experts
+        flat = logits.contiguous()
+        ids = torch.empty(*logits.shape[:-1], k, dtype=torch.int64)
+        weights = torch.empty(*logits.shape[:-1], k, dtype=torch.float32)
+        bf16 = flat.dtype == torch.bfloat16
+        engine.softmax_topk(flat.data_ptr(), int(bf16), rows, experts, k, normalize, out_dtype == torch.bfloat16,
+                            ids.data_ptr(), weights.data_ptr())  # fmt: skip
+        return (weights if out_dtype in (None, torch.float32) else weights.to(out_dtype)), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, k, dim=-1)
     if normalize:
         top /= top.sum(dim=-1, keepdim=True)
     return (top if out_dtype is None else top.to(out_dtype)), ids
+
+
+def _engine_for(logits: torch.Tensor, out_dtype: torch.dtype | None) -> Any:
+    """The engine module where it routes these logits (softmax_topk's engine path), else None."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32) or not logits.numel():
+        return None
+    if out_dtype not in (None, torch.float32, torch.bfloat16) or (torch.is_grad_enabled() and logits.requires_grad):
+        return None
+    from ...kernels.dispatch import EngineUnavailableError, engine_module  # lazily, as engine_linear does
+
+    try:
+        return engine_module()
+    except EngineUnavailableError:
+        return None
 
 
 def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_scores: torch.Tensor) -> torch.Tensor:
