@@ -274,15 +274,14 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
     fast = _steps(model, ids, 24, fast=True)
     assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
-    # The block computes the router's logits where the adapter routes from them and the router weight
-    # is bf16. GLM-4-MoE's router takes fp32 products, so it does not; MiniMax-M2's
-    # rounds x to the weight's dtype first, so an fp32 load's logits are refused and it routes itself;
-    # gpt-oss's router has a bias, which the block's router call does not add.
-    # Qwen3-MoE's, Mixtral's and OLMoE's bf16 blocks then route from those logits and run the experts
-    # themselves (decode_step.h's DecodeMoEHalf: the engine's softmax top-k, which route_logits calls
-    # too), so route_logits ran only for the prompt; their fp32 loads keep an fp32 router, which the
-    # block does not run.
-    if family.startswith(("glm4_moe", "gpt_oss")) or (family.startswith("minimax_m2") and dtype == torch.float32):
+    # The block computes the router's logits (gpt-oss's with its bias) where the adapter routes from
+    # them and the router weight is bf16. GLM-4-MoE's router takes fp32 products, so it does not;
+    # MiniMax-M2's rounds x to the weight's dtype first, so an fp32 load's logits are refused and it
+    # routes itself. Qwen3-MoE's, Mixtral's, OLMoE's and gpt-oss's bf16 blocks then route from those
+    # logits and run the experts themselves (decode_step.h's DecodeMoEHalf: the engine's softmax
+    # top-k, which route_logits calls too), so route_logits ran only for the prompt; their fp32 loads
+    # keep an fp32 router, which the block does not run.
+    if family.startswith("glm4_moe") or (family.startswith("minimax_m2") and dtype == torch.float32):
         assert not any(from_logits)
     elif adapter.decode_softmax_topk(moe[0].adapter) is not None and dtype == torch.bfloat16:
         assert from_logits == [True] * len(moe), from_logits

@@ -102,8 +102,9 @@ def _router_variants(model_type: str) -> list[dict]:
     }.get(model_type, [])
 
 
-# Routers whose route_logits is routing.py's softmax_topk: the engine's on the CPU (csrc/routing.h)
-ENGINE_SOFTMAX_TOPK = {"qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "mixtral"}
+# Routers whose route_logits is routing.py's softmax_topk or topk_softmax: the engine's on the CPU
+# (csrc/routing.h)
+ENGINE_SOFTMAX_TOPK = {"qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "mixtral", "gpt_oss"}
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

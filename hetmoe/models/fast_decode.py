@@ -382,10 +382,10 @@ def _router_engine(mlp: nn.Module) -> Any:
     the block is a HybridMoE whose adapter routes from those logits alone; else None."""
     if not isinstance(mlp, HybridMoE) or type(mlp.adapter).route_logits is MoEAdapter.route_logits:
         return None
-    gate = mlp._modules.get("gate")
+    gate = mlp._modules.get(mlp.adapter.router_attr)
     if gate is None or gate._forward_hooks or gate._forward_pre_hooks:
         return None
-    return engine_linear(gate.weight, None)
+    return engine_linear(gate.weight, getattr(gate, "bias", None))  # gpt-oss's router has a bias
 
 
 def _attention_block(layer: nn.Module, dtype: torch.dtype, rotary_dim: int) -> tuple[Any, Any, int] | None:

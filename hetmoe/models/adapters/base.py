@@ -111,9 +111,10 @@ class MoEAdapter(ABC):
 
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``route`` from the logits, where this architecture's logits are ``router_logits(x,
-        block.gate.weight)`` (routing.py: no bias, the router's own dtype) and everything after them is
-        a function of the logits alone: the one-token decode path then has the engine compute them.
-        None for every other router, and for logits it would not have computed so."""
+        router.weight, router.bias)`` of the block's ``router_attr`` module (routing.py: its bias where
+        it has one, the router's own dtype) and everything after them is a function of the logits
+        alone: the one-token decode path then has the engine compute them. None for every other
+        router, and for logits it would not have computed so."""
         return None
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

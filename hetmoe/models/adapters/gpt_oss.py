@@ -42,8 +42,14 @@ class GptOssAdapter(MoEAdapter):
     rms_norms = (("GptOssRMSNorm", "scale_then_cast", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits(x, block.router.weight, block.router.bias)
+        return self.route_logits(block, router_logits(x, block.router.weight, block.router.bias))
+
+    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return topk_softmax(logits, self.top_k())
+
+    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
+        # the softmax of the k largest logits is the renormalised top k of the softmax, in the dtype
+        return self.top_k(), True, True
 
     @property
     def activation(self) -> Activation:

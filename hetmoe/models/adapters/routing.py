@@ -3,10 +3,11 @@
 Each mirrors, operation for operation and dtype for dtype, what the transformers router of the
 architectures that use it computes, so that hetmoe picks the same experts with the same weights
 bit for bit (a different rounding order could flip a near-tie and send a token elsewhere). The
-exception is ``softmax_topk`` on CPU logits: the engine computes it (csrc/routing.h), more exactly
-than torch and with equal logits ranked by expert index, because the one-call decode layer routes
-with it in C++ and every path of a layer must route alike. Inputs are router logits ``[T, E]``;
-outputs are ``(weights [T, k], ids [T, k])``.
+exceptions are ``softmax_topk`` and gpt-oss's ``topk_softmax`` on CPU logits: the engine computes
+them (csrc/routing.h), each weight rounded once from its exact value and equal logits ordered as
+torch.topk orders them, because the one-call decode layer routes with it in C++ and every path of
+a layer must route alike. Inputs are router logits ``[T, E]``; outputs are ``(weights [T, k], ids
+[T, k])``.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def softmax_topk(
     CPU logits without autograd are routed by the engine (csrc/routing.h), as the one-call decode
     layer routes them (models/fast_decode.py), so that a layer routes alike whichever path runs it:
     each weight within one fp32 rounding of the exact value (torch's vectorised exp and its
-    multiply-by-reciprocal are a few ulps off it, tests/test_hybrid.py), equal logits ranked by
-    expert index (torch.topk leaves their order unspecified). Elsewhere, torch's own ops.
+    multiply-by-reciprocal are a few ulps off it, tests/test_hybrid.py), the experts those torch.topk
+    picks, equal logits included. Elsewhere, torch's own ops.
     """
     engine = _engine_for(logits, out_dtype)
     if engine is not None:
@@ -199,6 +200,11 @@ def sigmoid_biased_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tup
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpt-oss: top-k of the logits first, softmax over the k chosen, in the logits' dtype."""
+    """gpt-oss: top-k of the logits first, softmax over the k chosen, in the logits' dtype. Where the
+    engine routes these logits, softmax_topk's engine path: the same experts, and weights that are
+    the same numbers (the softmax of the k largest is the renormalised top k of the softmax) each
+    rounded once."""
+    if _engine_for(logits, logits.dtype) is not None:
+        return softmax_topk(logits, k, True, logits.dtype)
     top, ids = torch.topk(logits, k, dim=-1)
     return torch.softmax(top, dim=1, dtype=top.dtype), ids
