@@ -12,7 +12,6 @@
 
 #include "cpu_features.h"
 #include "decode_step.h"
-#include "routing.h"
 #include "delta_rule.h"
 #include "engine_common.h"
 #include "gguf_rows.h"
@@ -25,6 +24,7 @@
 #include "norms.h"
 #include "numa.h"
 #include "quantize.h"
+#include "routing.h"
 #include "tile_path.h"
 
 namespace py = pybind11;

@@ -270,7 +270,7 @@ double DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin
                weights.data());
   moe.experts->wait(
       moe.experts->submit(h_out, dtype, 1, ids.data(), moe.top_k, weights.data(), y.data(), moe.skip_mask));
-  combine(kt, x_out, y.data(), dtype, hidden, x_out, [](float a, float b) { return a + b; });  // as torch adds them
+  combine(kt, x_out, y.data(), dtype, hidden, x_out, [](float r, float m) { return r + m; });  // as torch adds them
   if (moe.counts)
     for (int64_t id : ids)
       if (!moe.skip_mask || !moe.skip_mask[id]) ++moe.counts[id];

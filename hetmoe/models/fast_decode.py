@@ -24,9 +24,9 @@ sliding-window layers (the step attends over the window's rows of a ``SlidingLay
 needed past the window), Qwen3-Next's query gate (``decode_gated_query``: the output times
 sigmoid(gate) before o_proj; that sigmoid is the engine's, within 2 ulp of torch's). Where the MoE
 block routes by softmax top-k from those logits and all its experts are in one CPU engine
-(``MoEAdapter.decode_softmax_topk``: Qwen3-MoE, Mixtral, OLMoE), the same call runs the rest of the
-layer too: the routing (csrc/routing.h, which the Python path calls as well), the experts, the
-residual add; the whole layer is then one engine call (``DecodeMoEHalf``). Where it does not
+(``MoEAdapter.decode_softmax_topk``: Qwen3-MoE, Mixtral, OLMoE, gpt-oss), the same call runs the
+rest of the layer too: the routing (csrc/routing.h, which the Python path calls as well), the
+experts, the residual add; the whole layer is then one engine call (``DecodeMoEHalf``). Where it does not
 (another cache), Qwen3-MoE's layers take the same steps as separate engine calls; other families
 take transformers' forward.
 """

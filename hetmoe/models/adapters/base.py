@@ -122,8 +122,9 @@ class MoEAdapter(ABC):
         return None
 
     def decode_softmax_topk(self) -> tuple[int, bool, bool] | None:
-        """``(k, normalize, round)`` where ``route_logits`` is ``softmax_topk(logits, k, normalize,
-        logits.dtype if round else None)`` (routing.py) and the block has no shared experts: the
+        """``(k, normalize, round)`` where ``route_logits`` routes as ``softmax_topk(logits, k,
+        normalize, logits.dtype if round else None)`` (routing.py; gpt-oss's ``topk_softmax`` is that
+        with normalize) and the block has no shared experts: the
         one-call decode layer then routes in the engine and runs the experts there too, the layer
         without a return to Python (models/fast_decode.py). None otherwise."""
         return None
