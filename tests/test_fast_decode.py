@@ -60,9 +60,9 @@ def test_bit_identical_to_transformers_forward(tiny_cache, dense: str) -> None:
 
     model = load_model(tiny_cache.model("qwen3_moe"), dense_method=dense)
     assert len(_fast_layers(model)) == model.config.num_hidden_layers
-    assert f"layers 0-1: attention one engine call a decode step (fast_decode.py); linears 4 engine {dense}" in (
-        model.hetmoe.summary(verbose=True)
-    )
+    summary = model.hetmoe.summary(verbose=True)
+    assert f"layers 0-1: attention one engine call a decode step (fast_decode.py); linears 4 engine {dense}" in summary
+    assert "routed and run in the decode step's one call" in summary
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
     fast = _steps(model, ids, 24, fast=True)
     slow = _steps(model, ids, 24, fast=False)
@@ -169,10 +169,12 @@ def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_rou
     token's experts to the HybridMoE's counts, as forward_routed does. Recording routing is
     forward_routed's work in Python, so the layer's MoE half then runs there again; it routes alike, so
     the recorded counts equal the block's, and the logits are bit-identical."""
+    import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
 
     model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
     moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
+    assert all(fast_decode.whole_layer_in_one_call(m) for m in moe)
     k = model.config.num_experts_per_tok
     calls = []
     real = HybridMoE.forward_routed
@@ -190,6 +192,7 @@ def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_rou
     assert all(int(c.sum()) == (5 + 9) * k for c in counted)
     calls.clear()
     moe[0].stats.record_routing = True
+    assert not any(fast_decode.whole_layer_in_one_call(m) for m in moe)  # what paths.py reports
     recorded = _steps(model, ids, 9, fast=True)
     assert len(calls) == 10 * len(moe)  # the prompt and every step in Python
     for m, c in zip(moe, counted, strict=True):

@@ -489,6 +489,30 @@ def _make_attention_block(
     return block, router, kv, sinks
 
 
+def _experts_in_one_engine(mlp: HybridMoE) -> bool:
+    """This step would run every routed expert of the block in its CPU engine, with nothing for
+    HybridMoE.forward_routed to do in Python around it."""
+    return (
+        isinstance(mlp.cpu, CPUExperts)
+        and not len(mlp.device_experts or ())
+        and mlp.deferred is None
+        and (mlp.layerwise is None or not mlp.layerwise.applies(1))
+        and not mlp.stats.record_routing
+    )
+
+
+def whole_layer_in_one_call(mlp: nn.Module) -> bool:
+    """A one-token step of a fast-decode layer with this MoE block would run it inside the layer's
+    engine call as things stand (the block's router in the engine, softmax top-k routing, every
+    expert in one engine): what models/paths.py reports."""
+    return (
+        isinstance(mlp, HybridMoE)
+        and mlp.adapter.decode_softmax_topk() is not None
+        and _router_engine(mlp) is not None
+        and _experts_in_one_engine(mlp)
+    )
+
+
 def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype) -> None:
     """Give the block the layer's MoE half (csrc/decode_step.h: DecodeMoEHalf) where its HybridMoE
     routes by softmax top-k from the block's logits (``MoEAdapter.decode_softmax_topk``) and this
@@ -498,16 +522,8 @@ def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype)
     mlp = layer._modules["mlp"]
     key = None
     spec = mlp.adapter.decode_softmax_topk() if router is not None and isinstance(mlp, HybridMoE) else None
-    if spec is not None:
-        cpu = mlp.cpu
-        if (
-            isinstance(cpu, CPUExperts)
-            and not len(mlp.device_experts or ())
-            and mlp.deferred is None
-            and (mlp.layerwise is None or not mlp.layerwise.applies(1))
-            and not mlp.stats.record_routing
-        ):
-            key = (block, cpu, mlp._cpu_counts, spec)
+    if spec is not None and _experts_in_one_engine(mlp):
+        key = (block, mlp.cpu, mlp._cpu_counts, spec)
     cached = layer.__dict__.get("_hetmoe_moe_half")
     if cached is key or (
         cached is not None and key is not None and all(map(operator.is_, cached[:3], key[:3])) and cached[3] == key[3]
@@ -517,7 +533,7 @@ def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype)
         block.set_moe(None)
     else:
         k, normalize, rounded = spec
-        counts = mlp._cpu_counts
+        cpu, counts = mlp.cpu, mlp._cpu_counts
         block.set_moe(cpu._engine, cpu._mask.data_ptr(), k, normalize, rounded and dtype == torch.bfloat16,
                       counts.data_ptr())  # fmt: skip
     layer._hetmoe_moe_half = key

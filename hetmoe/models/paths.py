@@ -16,6 +16,7 @@ from ..runtime.fused_linears import FusedLinears, FusedSlice
 from ..runtime.hybrid import HybridMoE
 from ..runtime.torch_experts import TorchCPUExperts
 from .cpu_attention import ATTENTION_NAMES
+from .fast_decode import whole_layer_in_one_call
 
 
 def layer_paths(model: nn.Module) -> list[str]:
@@ -92,5 +93,7 @@ def _mlp(layer: nn.Module) -> str:
         if isinstance(mlp.cpu, TorchCPUExperts):
             return "MoE, routed experts on the torch fallback (the engine lacks this activation)"
         method = getattr(getattr(mlp.cpu, "gate", None), "method", "?")
+        if getattr(layer.__dict__.get("forward"), "hetmoe_fast_decode", False) and whole_layer_in_one_call(mlp):
+            return f"MoE, routed experts in the engine ({method}), routed and run in the decode step's one call"
         return f"MoE, routed experts in the engine ({method})"
     return "dense"
