@@ -2,12 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "engine_common.h"
-#include "kernels.h"
 
 namespace hetmoe {
 

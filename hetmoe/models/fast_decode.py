@@ -380,7 +380,7 @@ def _norm_rope_direct(
 def _router_engine(mlp: nn.Module) -> Any:
     """The engine linear that computes ``mlp``'s router logits (routing.router_logits' own), where
     the block is a HybridMoE whose adapter routes from those logits alone; else None."""
-    if not isinstance(mlp, HybridMoE) or type(mlp.adapter).route_logits is MoEAdapter.route_logits:
+    if not isinstance(mlp, HybridMoE) or not mlp.adapter.routes_from_logits():
         return None
     gate = mlp._modules.get(mlp.adapter.router_attr)
     if gate is None or gate._forward_hooks or gate._forward_pre_hooks:

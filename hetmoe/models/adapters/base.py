@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .routing import softmax_topk
+
 # A torch activation on the gate and up projections: h = act(gate, up).
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -114,8 +116,18 @@ class MoEAdapter(ABC):
         router.weight, router.bias)`` of the block's ``router_attr`` module (routing.py: its bias where
         it has one, the router's own dtype) and everything after them is a function of the logits
         alone: the one-token decode path then has the engine compute them. None for every other
-        router, and for logits it would not have computed so."""
-        return None
+        router, and for logits it would not have computed so. By default the routing
+        ``decode_softmax_topk`` names, where it names one."""
+        spec = self.decode_softmax_topk()
+        if spec is None:
+            return None
+        k, normalize, rounded = spec
+        return softmax_topk(logits, k, normalize, logits.dtype if rounded else None)
+
+    def routes_from_logits(self) -> bool:
+        """Whether ``route_logits`` routes this architecture (models/fast_decode.py then has the
+        engine compute the logits of a one-token step)."""
+        return type(self).route_logits is not MoEAdapter.route_logits or self.decode_softmax_topk() is not None
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The output of the shared experts for ``x [T, H]``, or None when there are none."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..gguf_names import NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
-from .routing import router_logits, softmax_topk
+from .routing import router_logits
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -31,10 +31,6 @@ class OlmoeAdapter(MoEAdapter):
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))
-
-    def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, normalize, rounded = self.decode_softmax_topk()
-        return softmax_topk(logits, k, normalize, logits.dtype if rounded else None)
 
     def decode_softmax_topk(self) -> tuple[int, bool, bool]:
         return self.top_k(), bool(self.config.norm_topk_prob), True
