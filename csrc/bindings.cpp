@@ -849,6 +849,38 @@ PYBIND11_MODULE(_C, m) {
       py::arg("round_bf16"), py::arg("ids"), py::arg("weights"));
 
   m.def(
+      "grouped_topk",
+      [](uintptr_t logits, int64_t rows, int64_t experts, int k, bool sigmoid, uintptr_t bias, int n_group,
+         int topk_group, bool group_by_max, bool masked_zero, bool normalize, double eps, double scaling, uintptr_t ids,
+         uintptr_t weights) {
+        // routing.h; fp32 logits [rows, experts] and bias [experts] checked in Python
+        // (hetmoe/models/adapters/routing.py)
+        if (rows < 0 || experts <= 0 || k <= 0 || k > experts)
+          throw py::value_error("grouped_topk: needs rows >= 0 and 1 <= k <= experts");
+        if (n_group <= 0 || experts % n_group || topk_group <= 0 || topk_group > n_group)
+          throw py::value_error("grouped_topk: n_group must divide the experts and 1 <= topk_group <= n_group");
+        if (topk_group < n_group && !group_by_max && experts / n_group < 2)
+          throw py::value_error("grouped_topk: a group scored by its two largest needs two experts");
+        if (!logits || !ids || !weights) throw py::value_error("grouped_topk: a null buffer");
+        GroupedTopk spec;
+        spec.sigmoid = sigmoid;
+        spec.bias = reinterpret_cast<const float*>(bias);
+        spec.n_group = n_group;
+        spec.topk_group = topk_group;
+        spec.group_by_max = group_by_max;
+        spec.masked_zero = masked_zero;
+        spec.normalize = normalize;
+        spec.eps = eps;
+        spec.scaling = scaling;
+        py::gil_scoped_release release;
+        grouped_topk(reinterpret_cast<const float*>(logits), rows, experts, k, spec, reinterpret_cast<int64_t*>(ids),
+                     reinterpret_cast<float*>(weights));
+      },
+      py::arg("logits"), py::arg("rows"), py::arg("experts"), py::arg("k"), py::arg("sigmoid"), py::arg("bias"),
+      py::arg("n_group"), py::arg("topk_group"), py::arg("group_by_max"), py::arg("masked_zero"), py::arg("normalize"),
+      py::arg("eps"), py::arg("scaling"), py::arg("ids"), py::arg("weights"));
+
+  m.def(
       "gated_delta_step",
       [](uintptr_t q, uintptr_t k, uintptr_t v, int dtype, uintptr_t g, uintptr_t beta, uintptr_t state, uintptr_t out,
          int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv) {

@@ -16,4 +16,25 @@ namespace hetmoe {
 void softmax_topk(const void* logits, int dtype, int64_t rows, int64_t experts, int k, bool normalize,
                   bool round_bf16, int64_t* ids, float* weights);
 
+// The grouped routers of DeepSeek-V2/V3, Kimi-K2 and GLM-4.x (and MiniMax-M2's, one group), as
+// models/adapters/routing.py's torch versions compute them, on fp32 logits:
+struct GroupedTopk {
+  bool sigmoid = true;            // scores: sigmoid of each logit, else softmax over the row
+  const float* bias = nullptr;    // [experts] added to the scores for the choice (V3's correction), or none
+  int n_group = 1, topk_group = 1;  // the choice stays in the topk_group best of n_group equal groups
+  bool group_by_max = false;      // a group's score: its largest choice value (V2), else its two largest summed (V3)
+  bool masked_zero = false;       // experts outside those groups: 0 (V2, whose weights are the masked
+                                  // scores), else -inf (V3, whose weights are the unmasked scores)
+  bool normalize = false;         // the k weights divided by their sum plus `eps`
+  double eps = 0;
+  double scaling = 1;             // then multiplied by this
+};
+// Each score is its exact value (double) rounded once to fp32; the choice values are those plus the
+// bias as torch adds two fp32 tensors; groups and experts are picked by torch.topk(sorted=False)'s own
+// algorithm on its order relation (see softmax_topk), so the same ids in the same order as the torch
+// version takes. Each weight is its exact value from the exact scores, rounded once to fp32.
+// ids [rows, k] int64, weights [rows, k] fp32.
+void grouped_topk(const float* logits, int64_t rows, int64_t experts, int k, const GroupedTopk& spec, int64_t* ids,
+                  float* weights);
+
 }  // namespace hetmoe

@@ -53,3 +53,87 @@ def test_engine_softmax_topk_keeps_leading_dims_and_falls_back_to_torch_for_auto
     weights, _ = softmax_topk(leaf, 4, True, None)
     weights.sum().backward()
     assert leaf.grad is not None
+
+
+# --- the grouped routers (DeepSeek-V2/V3, Kimi-K2, GLM-4.x, MiniMax-M2) ----------------------------
+
+
+def _grouped_reference(
+    logits: torch.Tensor, k: int, *, sigmoid: bool, bias: torch.Tensor | None, groups: int, keep: int,
+    by_max: bool, masked_zero: bool, normalize: bool, eps: float, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """float64 weights, and the ids torch.topk(sorted=False) takes from fp32 choice values: the exact
+    scores rounded to fp32 plus the bias, in fp32 (as transformers adds them), the groups picked by
+    the sum of their two largest values (V3) or their largest (V2)."""
+    x = logits.double()
+    exact = torch.sigmoid(x) if sigmoid else torch.softmax(x, dim=-1)
+    choice = exact.float() + (bias if bias is not None else 0)
+    rows, experts = logits.shape
+    allowed = torch.ones(rows, experts, dtype=torch.bool)
+    if keep < groups:
+        grouped = choice.view(rows, groups, experts // groups)
+        group_scores = grouped.max(-1).values if by_max else grouped.topk(2, dim=-1).values.sum(-1)
+        chosen = torch.topk(group_scores, keep, dim=-1, sorted=False).indices
+        in_group = torch.zeros(rows, groups, dtype=torch.bool).scatter_(1, chosen, True)
+        allowed = in_group.repeat_interleave(experts // groups, dim=1)
+    ids = torch.topk(choice.masked_fill(~allowed, 0.0 if masked_zero else float("-inf")), k, sorted=False).indices
+    weights = (exact.masked_fill(~allowed, 0.0) if masked_zero else exact).gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * scaling, ids
+
+
+# (experts, k, groups, groups kept): DeepSeek-V3/R1 (256 in 8 groups, 4 kept), GLM-4.5-Air (128, one
+# group), Kimi-K2 (384, one), DeepSeek-V2-Lite (64), DeepSeek-V2 (160 in 8, 3 kept)
+GROUPED = [(256, 8, 8, 4), (128, 8, 1, 1), (384, 8, 1, 1), (64, 6, 1, 1), (160, 6, 8, 3)]
+
+
+@pytest.mark.parametrize(("experts", "k", "groups", "keep"), GROUPED)
+@pytest.mark.parametrize("variant", ["v3_sigmoid", "v3_softmax", "v2", "v2_renormalized"])
+def test_engine_grouped_topk_against_float64(experts: int, k: int, groups: int, keep: int, variant: str) -> None:
+    from hetmoe.models.adapters.routing import sigmoid_grouped_topk, softmax_group_limited_topk
+
+    gen = torch.Generator().manual_seed(experts * 7 + k)
+    logits = torch.randn(400, experts, generator=gen) * 2
+    # a bias of the spread the checkpoints' e_score_correction_bias has, often larger than the
+    # differences between the best scores: it moves the choice away from the weights' order
+    bias = torch.rand(experts, generator=gen) * 0.1
+    if variant.startswith("v3"):
+        sigmoid = variant == "v3_sigmoid"
+        spec = dict(sigmoid=sigmoid, bias=bias, by_max=False, masked_zero=False, normalize=True, eps=1e-20)
+        weights, ids = sigmoid_grouped_topk(logits, bias, k, groups, keep, True, 2.5, not sigmoid)
+    else:
+        renorm = variant == "v2_renormalized"
+        spec = dict(sigmoid=False, bias=None, by_max=True, masked_zero=True, normalize=renorm, eps=0.0)
+        method = "group_limited_greedy" if keep < groups else "greedy"
+        weights, ids = softmax_group_limited_topk(logits, k, method, groups, keep, 2.5, renorm)
+    want, want_ids = _grouped_reference(logits, k, groups=groups, keep=keep, scaling=2.5, **spec)
+    assert torch.equal(ids, want_ids)  # the same experts in the same order
+    assert weights.dtype == torch.float32
+    # exact in float64 (~1e-15 relative after the exp, the sums and the two products), rounded once
+    # to fp32: at most 2^-24 of the value
+    err = (weights.double() - want).abs() / want
+    assert err.max().item() <= 2**-24 * (1 + 2**-20), err.max().item()
+
+
+def test_engine_biased_sigmoid_topk_against_float64() -> None:
+    """MiniMax-M2's router (one group, renormalised, no eps, bf16 logits taken to fp32)."""
+    from hetmoe.models.adapters.routing import sigmoid_biased_topk
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(300, 256, generator=gen) * 2).to(torch.bfloat16)
+    bias = torch.rand(256, generator=gen) * 0.1
+    weights, ids = sigmoid_biased_topk(logits, bias, 8)
+    want, want_ids = _grouped_reference(
+        logits.float(), 8, sigmoid=True, bias=bias, groups=1, keep=1, by_max=False, masked_zero=False,
+        normalize=True, eps=0.0, scaling=1.0,
+    )  # fmt: skip
+    assert torch.equal(ids, want_ids)
+    assert ((weights.double() - want).abs() / want).max().item() <= 2**-24 * (1 + 2**-20)
+
+
+def test_engine_grouped_topk_refuses_groups_it_cannot_score() -> None:
+    from hetmoe.models.adapters.routing import sigmoid_grouped_topk
+
+    with pytest.raises(ValueError, match="two experts"):
+        sigmoid_grouped_topk(torch.randn(2, 8), torch.zeros(8), 2, 8, 4, True, 1.0)

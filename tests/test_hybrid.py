@@ -102,9 +102,10 @@ def _router_variants(model_type: str) -> list[dict]:
     }.get(model_type, [])
 
 
-# Routers whose route_logits is routing.py's softmax_topk or topk_softmax: the engine's on the CPU
-# (csrc/routing.h)
-ENGINE_SOFTMAX_TOPK = {"qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "mixtral", "gpt_oss"}
+# Routers the engine computes on the CPU (csrc/routing.h, through routing.py: softmax_topk,
+# topk_softmax, the grouped and the biased sigmoid routers): every one so far
+ENGINE_ROUTED = {"qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                 "glm4_moe", "minimax_m2"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -127,12 +128,12 @@ def test_routing_matches_transformers_router(model_type: str) -> None:
             _, want_w, want_ids = router(x, *args)
             got_w, got_ids = adapter.route(block, x)
         assert got_w.dtype == want_w.dtype and torch.equal(got_ids, want_ids), (model_type, overrides)
-        if model_type not in ENGINE_SOFTMAX_TOPK:
+        if model_type not in ENGINE_ROUTED:
             assert torch.equal(got_w, want_w), (model_type, overrides)
             continue
         # Each weight is within a few fp32 ulps of exact on both sides (the engine: one rounding;
-        # torch: its vectorised exp, the multiply by 1 / sum and the renormalising division, each
-        # within an ulp or two): 2^-20 apart at most. Rounded to bf16, two such values are at most
+        # torch: its vectorised exp or sigmoid, the multiply by 1 / sum or the renormalising division,
+        # the scaling, each within an ulp or two): 2^-20 apart at most. Rounded to bf16, two such values are at most
         # one bf16 step apart: 2^-7 of the value.
         bound = 2**-7 if want_w.dtype == torch.bfloat16 else 2**-20
         assert ((got_w.float() - want_w.float()).abs() <= bound * want_w.float().abs()).all(), (model_type, overrides)

@@ -3,11 +3,12 @@
 Each mirrors, operation for operation and dtype for dtype, what the transformers router of the
 architectures that use it computes, so that hetmoe picks the same experts with the same weights
 bit for bit (a different rounding order could flip a near-tie and send a token elsewhere). The
-exceptions are ``softmax_topk`` and gpt-oss's ``topk_softmax`` on CPU logits: the engine computes
-them (csrc/routing.h), each weight rounded once from its exact value and equal logits ordered as
-torch.topk orders them, because the one-call decode layer routes with it in C++ and every path of
-a layer must route alike. Inputs are router logits ``[T, E]``; outputs are ``(weights [T, k], ids
-[T, k])``.
+exceptions are the routers on CPU logits without autograd: the engine computes them (csrc/routing.h:
+``softmax_topk``, gpt-oss's ``topk_softmax``, and the grouped and biased sigmoid routers), each weight
+rounded once from its exact value and equal values ordered as torch.topk orders them, because a
+one-call decode layer routes with it in C++ and every path of a layer must route alike (and one
+engine call costs less than the ten torch ops of a grouped router). Inputs are router logits
+``[T, E]``; outputs are ``(weights [T, k], ids [T, k])``.
 """
 
 from __future__ import annotations
@@ -150,10 +151,18 @@ def sigmoid_grouped_topk(
     """DeepSeek-V3 / Kimi-K2 / GLM-4-MoE: sigmoid scores (softmax scores for ``softmax``: a GGUF
     whose metadata names no gating function, run as llama.cpp runs it), choice by score + correction
     bias within the best groups (a group's score: the sum of its two best), weights from the
-    unbiased scores."""
+    unbiased scores. On CPU fp32 logits without autograd, the engine's (``_grouped_in_engine``)."""
+    e = logits.shape[-1]
+    if n_group > 1 and topk_group < n_group and e // n_group < 2:
+        raise ValueError(f"{e} experts in {n_group} groups: a group's score needs two experts")
+    routed = _grouped_in_engine(
+        logits, k, sigmoid=not softmax, bias=bias, n_group=n_group, topk_group=topk_group, group_by_max=False,
+        masked_zero=False, normalize=normalize, eps=1e-20, scaling=scaling,
+    )  # fmt: skip
+    if routed is not None:
+        return routed
     scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     for_choice = scores + bias
-    e = scores.shape[-1]
     group_scores = for_choice.view(-1, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
     allowed = group_mask(scores, n_group, topk_group, group_scores)
     for_choice = for_choice.masked_fill(~allowed, float("-inf"))
@@ -175,15 +184,25 @@ def softmax_group_limited_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2: softmax scores, top-k overall (``greedy``) or within the ``topk_group`` groups
     with the highest single score (``group_limited_greedy``), scaled; not renormalised unless
-    ``renormalize`` (llama.cpp's expert_weights_norm: the k weights divided by their sum, then scaled)."""
-    scores = logits.softmax(dim=-1, dtype=torch.float32)
-    if method == "group_limited_greedy":
+    ``renormalize`` (llama.cpp's expert_weights_norm: the k weights divided by their sum, then scaled).
+    On CPU fp32 logits without autograd, the engine's (``_grouped_in_engine``)."""
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    limited = method == "group_limited_greedy"
+    if limited:
         assert n_group and topk_group
+    routed = _grouped_in_engine(
+        logits, k, sigmoid=False, bias=None, n_group=n_group if limited else 1,
+        topk_group=topk_group if limited else 1, group_by_max=True, masked_zero=True, normalize=renormalize, eps=0.0,
+        scaling=scaling,
+    )  # fmt: skip
+    if routed is not None:
+        return routed
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if limited:
         e = scores.shape[-1]
         group_scores = scores.view(-1, n_group, e // n_group).max(dim=-1).values
         scores = scores.masked_fill(~group_mask(scores, n_group, topk_group, group_scores), 0.0)
-    elif method != "greedy":
-        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
     weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -191,11 +210,54 @@ def softmax_group_limited_topk(
 
 
 def sigmoid_biased_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiniMax-M2: sigmoid scores in fp32, choice by score + correction bias, renormalised weights."""
+    """MiniMax-M2: sigmoid scores in fp32, choice by score + correction bias, renormalised weights. On
+    CPU logits without autograd, the engine's (``_grouped_in_engine``)."""
+    routed = _grouped_in_engine(
+        logits.float(), k, sigmoid=True, bias=bias, n_group=1, topk_group=1, group_by_max=False, masked_zero=False,
+        normalize=True, eps=0.0, scaling=1.0,
+    )  # fmt: skip
+    if routed is not None:
+        return routed
     scores = torch.sigmoid(logits.float())
     ids = torch.topk(scores + bias, k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped_in_engine(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    sigmoid: bool,
+    bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    group_by_max: bool,
+    masked_zero: bool,
+    normalize: bool,
+    eps: float,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A grouped router's ``(weights, ids)`` from the engine (csrc/routing.h: grouped_topk) where it
+    routes these logits: CPU fp32 ``[T, E]`` without autograd, the bias (if any) on the CPU. The same
+    ids in the same order as the torch versions here take (torch.topk's own algorithm on the same fp32
+    choice values), each weight rounded once from its exact value (torch's ops are a few ulps off it)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or (bias is not None and bias.device.type != "cpu"):
+        return None
+    engine = _engine_for(logits, torch.float32)
+    if engine is None or (bias is not None and torch.is_grad_enabled() and bias.requires_grad):
+        return None
+    rows, experts = logits.shape
+    flat = logits.contiguous()
+    b = None if bias is None else _fp32_copy(bias).contiguous()
+    if b is not None and b.shape != (experts,):
+        return None
+    ids = torch.empty(rows, k, dtype=torch.int64)
+    weights = torch.empty(rows, k, dtype=torch.float32)
+    engine.grouped_topk(flat.data_ptr(), rows, experts, k, sigmoid, 0 if b is None else b.data_ptr(), n_group,
+                        topk_group, group_by_max, masked_zero, normalize, eps, scaling, ids.data_ptr(),
+                        weights.data_ptr())  # fmt: skip
     return weights, ids
 
 
