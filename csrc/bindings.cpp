@@ -136,6 +136,24 @@ Proj mla_head_blocks(const py::tuple& t, int64_t N, int64_t K, const char* name)
   return p;
 }
 
+// A dense MLP for the one-call blocks (decode_step.h: DecodeMLP) from (gate_up, gate, up, down), engines
+// or None: gate_up [hidden] -> [2 inter] or gate and up [hidden] -> [inter], down [inter] -> [hidden];
+// all None: no MLP.
+DecodeMLP mlp_from(const py::tuple& t, int64_t hidden, const std::string& what) {
+  if (t.size() != 4) throw py::value_error(what + ": an MLP is (gate_up, gate, up, down)");
+  DecodeMLP m{t[0].cast<LinearEngine*>(), t[1].cast<LinearEngine*>(), t[2].cast<LinearEngine*>(),
+              t[3].cast<LinearEngine*>()};
+  if (!m.down && !m.gate_up && !m.gate && !m.up) return m;
+  const int64_t inter = m.down ? m.down->cols() : 0;
+  const bool fused = m.gate_up && !m.gate && !m.up && m.gate_up->rows() == 2 * inter && m.gate_up->cols() == hidden;
+  const bool apart = !m.gate_up && m.gate && m.up && m.gate->rows() == inter && m.up->rows() == inter &&
+                     m.gate->cols() == hidden && m.up->cols() == hidden;
+  if (!m.down || m.down->rows() != hidden || inter <= 0 || (!fused && !apart))
+    throw py::value_error(what + ": the MLP must be gate_up [hidden] -> [2 inter] or gate and up [hidden] -> [inter], "
+                                 "then down [inter] -> [hidden]");
+  return m;
+}
+
 // A MoE layer's projection against the layer's shape: gate and up map hidden to intermediate, down
 // intermediate to hidden. A mismatch would make the kernels read past a row or write past the output.
 void check_moe_proj(const char* name, const Proj& p, int rows, int cols) {
@@ -825,9 +843,17 @@ PYBIND11_MODULE(_C, m) {
                 throw py::value_error("DecodeAttentionBlock.set_moe: top_k must be in [1, experts]");
               if (!skip_mask) throw py::value_error("DecodeAttentionBlock.set_moe: a null skip mask");
             }
-            b.moe = experts ? DecodeMoEHalf{experts, reinterpret_cast<const uint8_t*>(skip_mask), top_k, normalize,
-                                            round_bf16, reinterpret_cast<int64_t*>(counts)}
-                            : DecodeMoEHalf{};
+            DecodeMoEHalf moe;
+            if (experts) {
+              moe.experts = experts;
+              moe.skip_mask = reinterpret_cast<const uint8_t*>(skip_mask);
+              moe.top_k = top_k;
+              moe.routing = kRouteSoftmaxTopk;
+              moe.normalize = normalize;
+              moe.round_bf16 = round_bf16;
+              moe.counts = reinterpret_cast<int64_t*>(counts);
+            }
+            b.moe = moe;
           },
           py::arg("experts").none(true), py::arg("skip_mask") = 0, py::arg("top_k") = 0, py::arg("normalize") = false,
           py::arg("round_bf16") = false, py::arg("counts") = 0, py::keep_alive<1, 2>());
@@ -847,6 +873,20 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("logits"), py::arg("dtype"), py::arg("rows"), py::arg("experts"), py::arg("k"), py::arg("normalize"),
       py::arg("round_bf16"), py::arg("ids"), py::arg("weights"));
+
+  m.def(
+      "router_logits_f32",
+      [](uintptr_t w, int64_t rows, int64_t cols, uintptr_t x, int64_t T, uintptr_t out) {
+        // routing.h; fp32 tensors checked in Python (hetmoe/models/adapters/routing.py)
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (rows <= 0 || cols <= 0 || cols % 16 || T < 0)
+          throw py::value_error("router_logits_f32: needs rows > 0 and cols a positive multiple of 16");
+        if (!w || !x || !out) throw py::value_error("router_logits_f32: a null buffer");
+        py::gil_scoped_release release;
+        router_logits_f32(g_selected, reinterpret_cast<const float*>(w), rows, cols, reinterpret_cast<const float*>(x),
+                          T, reinterpret_cast<float*>(out));
+      },
+      py::arg("w"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("tokens"), py::arg("out"));
 
   m.def(
       "grouped_topk",
@@ -956,7 +996,11 @@ PYBIND11_MODULE(_C, m) {
                                        q_b,
                                        uk,
                                        uv,
-                                       o_proj};
+                                       o_proj,
+                                       nullptr,
+                                       nullptr,
+                                       {},
+                                       {}};
            }),
            py::arg("hidden"), py::arg("heads"), py::arg("nope"), py::arg("rope"), py::arg("rank"), py::arg("v_dim"),
            py::arg("q_rank"), py::arg("norms"), py::arg("rope_mode"), py::arg("scale"), py::arg("q_in"),
@@ -976,12 +1020,76 @@ PYBIND11_MODULE(_C, m) {
             if (!x || !cos || (!sin && b.rope_mode != kMLARopeComplex) || !cache || !x_out || !h_out)
               throw py::value_error("DecodeMLABlock.run: a null buffer");
             py::gil_scoped_release release;
-            b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
-                  reinterpret_cast<const void*>(sin), reinterpret_cast<uint8_t*>(cache), row_stride, position,
-                  reinterpret_cast<void*>(x_out), reinterpret_cast<void*>(h_out));
+            return b.run(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
+                         reinterpret_cast<const void*>(sin), reinterpret_cast<uint8_t*>(cache), row_stride, position,
+                         reinterpret_cast<void*>(x_out), reinterpret_cast<void*>(h_out));
           },
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("cache"), py::arg("row_stride"), py::arg("position"),
-          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"));
+          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"))
+      .def(
+          "set_moe",
+          [](DecodeMLABlock& b, LinearEngine* router, uintptr_t router_f32, MoEEngine* experts, uintptr_t skip_mask,
+             int top_k, bool sigmoid, uintptr_t bias, int n_group, int topk_group, bool group_by_max, bool masked_zero,
+             bool normalize, double eps, double scaling, uintptr_t counts, const py::tuple& shared) {
+            // The layer's MoE half (decode_step.h: DecodeMoEHalf, routed by routing.h's grouped_topk from
+            // the router's fp32 logits), or none with experts None. The router: a bf16 engine linear, or
+            // router_f32, an fp32 weight [E, hidden] (routing.h: router_logits_f32). The fp32 weight, mask
+            // ([E] uint8), bias ([E] fp32 or 0) and counts ([E] int64 or 0) stay owned by Python.
+            DecodeMoEHalf moe;
+            if (experts) {
+              const int E = experts->experts();
+              if (!router == !router_f32 || (router && (router->rows() != E || router->cols() != b.hidden)) ||
+                  b.hidden % 16)
+                throw py::value_error("DecodeMLABlock.set_moe: one router (an engine linear or an fp32 weight) must "
+                                      "map hidden (a multiple of 16) to one logit an expert");
+              if (top_k <= 0 || top_k > E) throw py::value_error("DecodeMLABlock.set_moe: top_k must be in [1, experts]");
+              if (n_group <= 0 || E % n_group || topk_group <= 0 || topk_group > n_group ||
+                  (topk_group < n_group && !group_by_max && E / n_group < 2))
+                throw py::value_error("DecodeMLABlock.set_moe: groups as grouped_topk takes them");
+              if (!skip_mask) throw py::value_error("DecodeMLABlock.set_moe: a null skip mask");
+              moe.experts = experts;
+              moe.skip_mask = reinterpret_cast<const uint8_t*>(skip_mask);
+              moe.top_k = top_k;
+              moe.routing = kRouteGrouped;
+              moe.grouped.sigmoid = sigmoid;
+              moe.grouped.bias = reinterpret_cast<const float*>(bias);
+              moe.grouped.n_group = n_group;
+              moe.grouped.topk_group = topk_group;
+              moe.grouped.group_by_max = group_by_max;
+              moe.grouped.masked_zero = masked_zero;
+              moe.grouped.normalize = normalize;
+              moe.grouped.eps = eps;
+              moe.grouped.scaling = scaling;
+              moe.counts = reinterpret_cast<int64_t*>(counts);
+              moe.shared = mlp_from(shared, b.hidden, "DecodeMLABlock.set_moe: shared");
+            }
+            b.router = experts ? router : nullptr;
+            b.router_f32 = experts ? reinterpret_cast<const float*>(router_f32) : nullptr;
+            b.moe = moe;
+          },
+          py::arg("router").none(true), py::arg("router_f32"), py::arg("experts").none(true), py::arg("skip_mask") = 0,
+          py::arg("top_k") = 0,
+          py::arg("sigmoid") = true, py::arg("bias") = 0, py::arg("n_group") = 1, py::arg("topk_group") = 1,
+          py::arg("group_by_max") = false, py::arg("masked_zero") = false, py::arg("normalize") = false,
+          py::arg("eps") = 0.0, py::arg("scaling") = 1.0, py::arg("counts") = 0,
+          py::arg("shared") = py::make_tuple(py::none(), py::none(), py::none(), py::none()), py::keep_alive<1, 2>(),
+          py::keep_alive<1, 4>(), py::keep_alive<1, 17>())
+      .def(
+          "set_mlp",
+          [](DecodeMLABlock& b, const py::tuple& mlp) { b.mlp = mlp_from(mlp, b.hidden, "DecodeMLABlock.set_mlp"); },
+          py::arg("mlp"), py::keep_alive<1, 2>());
+
+  m.def(
+      "silu_rounded",
+      [](uintptr_t x, int dtype, int64_t n, uintptr_t out) {
+        // decode_step.h; tensors checked in Python (hetmoe/runtime/engine_silu.py)
+        if (!g_selected) throw py::value_error("select_isa() must be called first");
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("silu_rounded: dtype must be 0 or 1");
+        if (n < 0 || !x || !out) throw py::value_error("silu_rounded: needs n >= 0 and two buffers");
+        py::gil_scoped_release release;
+        silu_rounded(g_selected, reinterpret_cast<const void*>(x), dtype, n, reinterpret_cast<void*>(out));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("out"));
 
   py::class_<LinearEngine>(m, "LinearEngine")
       .def(py::init([](const py::tuple& weight, uintptr_t bias, int gemv_max_tokens) {

@@ -258,19 +258,87 @@ double DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin
   } else {
     linear_row(router, h_out, kF32, logits, kF32);
   }
-  if (!moe.experts) return 0;
+  return moe.experts ? run_moe_half(kt, moe, logits, dtype, h_out, dtype, hidden, x_out) : 0;
+}
+
+void silu_rounded(const KernelTable* kt, const void* x, int dtype, int64_t n, void* out) {
+  constexpr int64_t kChunk = 1024;
+  float ones[kChunk], xf[kChunk], yf[kChunk];
+  std::fill(ones, ones + kChunk, 1.f);
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int m = int(std::min(kChunk, n - i));
+    if (dtype == kBF16Data) {
+      kt->bf16_to_f32(static_cast<const uint16_t*>(x) + i, xf, m);
+      kt->silu_mul(xf, ones, yf, m);  // silu(x) * 1: silu(x) exactly
+      kt->f32_to_bf16(yf, static_cast<uint16_t*>(out) + i, m);
+    } else {
+      kt->silu_mul(static_cast<const float*>(x) + i, ones, static_cast<float*>(out) + i, m);
+    }
+  }
+}
+
+void DecodeMLP::run(const KernelTable* kt, const void* h, int dtype, void* out) const {
+  const size_t elem = dtype == kBF16Data ? 2 : 4;
+  const int64_t n = inter();
+  thread_local std::vector<uint8_t> gu, act;
+  gu.resize(size_t(2 * n) * elem);
+  act.resize(size_t(n) * elem);
+  uint8_t* g = gu.data();
+  uint8_t* u = g + size_t(n) * elem;
+  if (gate_up) {
+    linear_row(gate_up, h, dtype, g, dtype);
+  } else {  // side by side on the pool
+    const int64_t a = gate->submit(h, dtype, 1, g, dtype);
+    const int64_t b = up->submit(h, dtype, 1, u, dtype);
+    gate->wait(a);
+    up->wait(b);
+  }
+  silu_rounded(kt, g, dtype, n, act.data());
+  combine(kt, act.data(), u, dtype, n, act.data(), [](float a, float b) { return a * b; });
+  linear_row(down, act.data(), dtype, out, dtype);
+}
+
+double run_mlp_half(const KernelTable* kt, const DecodeMLP& mlp, const void* h, int dtype, int64_t hidden,
+                    void* x_out) {
   const auto start = std::chrono::steady_clock::now();
+  thread_local std::vector<uint8_t> y;
+  y.resize(size_t(hidden) * (dtype == kBF16Data ? 2 : 4));
+  mlp.run(kt, h, dtype, y.data());
+  combine(kt, x_out, y.data(), dtype, hidden, x_out, [](float a, float b) { return a + b; });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void* logits, int logits_dtype,
+                    const void* h, int dtype, int64_t hidden, void* x_out) {
+  const auto start = std::chrono::steady_clock::now();
+  const size_t elem = dtype == kBF16Data ? 2 : 4;
+  const int64_t experts = moe.experts->experts();
   thread_local std::vector<int64_t> ids;
   thread_local std::vector<float> weights;
-  thread_local std::vector<uint8_t> y;
+  thread_local std::vector<uint8_t> y, s;
   ids.resize(moe.top_k);
   weights.resize(moe.top_k);
   y.resize(size_t(hidden) * elem);
-  softmax_topk(logits, dtype, 1, router->rows(), moe.top_k, moe.normalize, moe.round_bf16, ids.data(),
-               weights.data());
-  moe.experts->wait(
-      moe.experts->submit(h_out, dtype, 1, ids.data(), moe.top_k, weights.data(), y.data(), moe.skip_mask));
-  combine(kt, x_out, y.data(), dtype, hidden, x_out, [](float r, float m) { return r + m; });  // as torch adds them
+  if (moe.routing == kRouteGrouped)
+    grouped_topk(static_cast<const float*>(logits), 1, experts, moe.top_k, moe.grouped, ids.data(), weights.data());
+  else
+    softmax_topk(logits, logits_dtype, 1, experts, moe.top_k, moe.normalize, moe.round_bf16, ids.data(),
+                 weights.data());
+  const int64_t job =
+      moe.experts->submit(h, dtype, 1, ids.data(), moe.top_k, weights.data(), y.data(), moe.skip_mask);
+  if (moe.shared.down) {  // queued behind the experts' job on the pool, as HybridMoE computes them meanwhile
+    s.resize(size_t(hidden) * elem);
+    try {
+      moe.shared.run(kt, h, dtype, s.data());
+    } catch (...) {
+      moe.experts->wait(job);  // the job writes into y: never leave it running
+      throw;
+    }
+  }
+  moe.experts->wait(job);
+  const auto add = [](float a, float b) { return a + b; };
+  if (moe.shared.down) combine(kt, y.data(), s.data(), dtype, hidden, y.data(), add);  // routed + shared
+  combine(kt, x_out, y.data(), dtype, hidden, x_out, add);  // the residual, as torch adds them
   if (moe.counts)
     for (int64_t id : ids)
       if (!moe.skip_mask || !moe.skip_mask[id]) ++moe.counts[id];

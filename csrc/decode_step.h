@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "linear_engine.h"
+#include "routing.h"
 
 namespace hetmoe {
 
@@ -74,18 +75,55 @@ void linear_row(LinearEngine* e, const void* x, int x_dtype, void* y, int y_dtyp
 void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int dtype, int64_t hidden,
                         const NormSpec& post_norm, void* x_out, void* h_out);
 
-// The rest of a decoder layer, run by DecodeAttentionBlock after its attention half, where the MoE block
-// routes by softmax top-k from the block's router logits (routing.h) and every routed expert is in one
-// CPU engine (no shared experts, none on a device: hetmoe/models/fast_decode.py checks each step):
-// route, the engine's forward of h_out, x_out += its output as torch adds them. What HybridMoE's
-// forward_routed does for one token with the same engine, without returning to Python.
+// silu(x) over n values of `dtype`, rounded to the dtype: the engine's vectorised silu (kernels.h:
+// silu_mul), what hetmoe's SiLU stands in for transformers' in the MLPs on the engine
+// (hetmoe/runtime/engine_silu.py), so that the one-call layer below and a module's forward agree.
+void silu_rounded(const KernelTable* kt, const void* x, int dtype, int64_t n, void* out);
+
+// A dense SwiGLU MLP for one row as transformers' MLP modules compute it in the dtype, each of its
+// linears in the engine: down(silu(gate(h)) * up(h)), silu as silu_rounded, the product as torch
+// multiplies two tensors of the dtype.
+struct DecodeMLP {
+  LinearEngine* gate_up = nullptr;  // [hidden] -> [2 inter]: gate's rows then up's (fused siblings), or
+  LinearEngine* gate = nullptr;     // gate and up apart, or nullptr with gate_up
+  LinearEngine* up = nullptr;
+  LinearEngine* down = nullptr;  // [inter] -> [hidden]; nullptr: no MLP
+  int64_t inter() const { return down ? down->cols() : 0; }
+  // out [hidden] = the MLP of h [hidden], both in dtype (the linears on the pool)
+  void run(const KernelTable* kt, const void* h, int dtype, void* out) const;
+};
+
+// How the MoE half routes from the router's logits (routing.h):
+enum MoERouting : int {
+  kRouteSoftmaxTopk = 0,  // softmax_topk of the block's logits in its dtype (Qwen3-MoE, Mixtral, OLMoE, gpt-oss)
+  kRouteGrouped = 1,      // grouped_topk of fp32 logits (DeepSeek-V2/V3, Kimi-K2)
+};
+
+// The rest of a decoder layer after its attention half, run by a one-call block where every routed
+// expert is in one CPU engine (none on a device: hetmoe/models/fast_decode.py and mla_decode.py check
+// each step): route, the engine's forward of h_out, the shared experts (if any) meanwhile, the
+// experts' output plus the shared one's, then x_out += that, each sum as torch adds two tensors of
+// the dtype. What HybridMoE's forward_routed does for one token with the same engine, without
+// returning to Python.
 struct DecodeMoEHalf {
   MoEEngine* experts = nullptr;        // nullptr: the block ends at the router's logits
   const uint8_t* skip_mask = nullptr;  // the experts' skip mask [E] (CPUExperts owns it), read each step
   int top_k = 0;
-  bool normalize = false, round_bf16 = false;  // routing.h's softmax_topk
+  int routing = kRouteSoftmaxTopk;             // MoERouting
+  bool normalize = false, round_bf16 = false;  // softmax_topk's
+  GroupedTopk grouped;                         // grouped_topk's (its bias owned by Python)
   int64_t* counts = nullptr;  // tokens each expert took [E] (HybridMoE's counts), incremented; or nullptr
+  DecodeMLP shared;           // the shared experts, or none (down nullptr)
 };
+
+// x_out [hidden] += mlp(h [hidden]) as torch adds them, both in dtype; returns the seconds it took.
+double run_mlp_half(const KernelTable* kt, const DecodeMLP& mlp, const void* h, int dtype, int64_t hidden,
+                    void* x_out);
+
+// moe for h [hidden] (dtype) routed from `logits` ([E] of logits_dtype; fp32 for kRouteGrouped), added
+// to x_out [hidden]; returns the seconds it took.
+double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void* logits, int logits_dtype,
+                    const void* h, int dtype, int64_t hidden, void* x_out);
 
 // A decoder layer's attention half for one token (shapes checked by the Python side once, when it
 // makes the block, and the per-step pointers by hetmoe/models/fast_decode.py); with `moe`, the whole

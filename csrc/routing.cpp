@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "engine_common.h"
+#include "moe_engine.h"  // global_pool
+#include "thread_pool.h"
 
 namespace hetmoe {
 
@@ -60,6 +63,22 @@ void softmax_topk(const void* logits, int dtype, int64_t rows, int64_t experts, 
       weights[r * k + i] = w;
     }
   }
+}
+
+void router_logits_f32(const KernelTable* kt, const float* w, int64_t rows, int64_t cols, const float* x, int64_t T,
+                       float* logits) {
+  constexpr int64_t kRows = 16;  // rows an item: 64 experts are 4 items, 256 are 16
+  const int64_t items = (rows + kRows - 1) / kRows;
+  thread_local std::vector<const float*> a;
+  a.resize(T);
+  for (int64_t t = 0; t < T; ++t) a[t] = x + t * cols;
+  const float* const* xs = a.data();
+  auto job = std::make_shared<ForJob>(int(items), [=](int item) {
+    const int64_t r0 = item * kRows, r1 = std::min(rows, r0 + kRows);
+    kt->gemm_panel(w + r0 * cols, int(r1 - r0), int(cols), xs, int(T), logits + r0, int(rows));
+  });
+  global_pool()->submit(job);
+  job->wait();
 }
 
 void grouped_topk(const float* logits, int64_t rows, int64_t experts, int k, const GroupedTopk& spec, int64_t* ids,

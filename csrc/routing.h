@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels.h"
+
 namespace hetmoe {
 
 // Softmax over each row's `experts` logits (fp32 or bf16, `dtype` 0 or 1), then its `k` largest
@@ -15,6 +17,12 @@ namespace hetmoe {
 // give them in the logits' dtype), then stored as fp32. ids [rows, k] int64, weights [rows, k] fp32.
 void softmax_topk(const void* logits, int dtype, int64_t rows, int64_t experts, int k, bool normalize,
                   bool round_bf16, int64_t* ids, float* weights);
+
+// logits [T, rows] = x [T, cols] . w [rows, cols]^T, all fp32 (cols a multiple of 16): an fp32 router
+// (DeepSeek's, which transformers keeps in fp32) on the engine's pool, each logit one thread's fp32
+// FMA chain in a fixed order (kernels.h: gemm_panel), so the same values for a row whatever T is.
+void router_logits_f32(const KernelTable* kt, const float* w, int64_t rows, int64_t cols, const float* x, int64_t T,
+                       float* logits);
 
 // The grouped routers of DeepSeek-V2/V3, Kimi-K2 and GLM-4.x (and MiniMax-M2's, one group), as
 // models/adapters/routing.py's torch versions compute them, on fp32 logits:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import engine_isas
 
 from hetmoe.models.adapters.routing import softmax_topk
 
@@ -135,5 +136,46 @@ def test_engine_biased_sigmoid_topk_against_float64() -> None:
 def test_engine_grouped_topk_refuses_groups_it_cannot_score() -> None:
     from hetmoe.models.adapters.routing import sigmoid_grouped_topk
 
-    with pytest.raises(ValueError, match="two experts"):
+    with pytest.raises(ValueError, match="groups"):
         sigmoid_grouped_topk(torch.randn(2, 8), torch.zeros(8), 2, 8, 4, True, 1.0)
+
+
+# --- the fp32 router (DeepSeek's, kept in fp32 by transformers) --------------------------------------
+
+
+@pytest.mark.parametrize("isa", engine_isas())
+@pytest.mark.parametrize(("experts", "hidden"), [(64, 2048), (256, 7168), (72, 48)])
+def test_engine_fp32_router_against_float64(isa: str, experts: int, hidden: int) -> None:
+    """routing.router_logits on an fp32 weight runs csrc/routing.h's router_logits_f32: each logit an
+    fp32 FMA chain, within the bound any order of K fp32 products and sums has (gamma_K = K u / (1 - K u),
+    u = 2^-24, of the sum of |w x|), and each row's logits the same whatever the number of rows (the
+    one-call latent-attention layer computes one)."""
+    from hetmoe.kernels.dispatch import select_isa
+    from hetmoe.models.adapters.routing import fp32_router_in_engine, router_logits
+
+    select_isa(isa)
+    gen = torch.Generator().manual_seed(experts)
+    weight = torch.randn(experts, hidden, generator=gen) * 0.02
+    x = torch.randn(5, hidden, generator=gen).to(torch.bfloat16)
+    assert fp32_router_in_engine(weight, None)
+    with torch.no_grad():
+        got = router_logits(x, weight, fp32=True)
+        one = router_logits(x[2:3], weight, fp32=True)
+    assert got.dtype == torch.float32 and got.shape == (5, experts)
+    assert torch.equal(one[0], got[2])
+    exact = x.double() @ weight.double().T
+    u = 2**-24
+    gamma = hidden * u / (1 - hidden * u)
+    scale = x.double().abs() @ weight.double().abs().T
+    assert ((got.double() - exact).abs() <= gamma * scale).all()
+
+
+def test_fp32_router_leaves_widths_and_autograd_to_torch() -> None:
+    from hetmoe.models.adapters.routing import fp32_router_in_engine, router_logits
+
+    assert not fp32_router_in_engine(torch.randn(8, 40), None)  # not whole 16s
+    assert not fp32_router_in_engine(torch.randn(8, 64), torch.zeros(8))  # a bias
+    assert not fp32_router_in_engine(torch.randn(8, 64).bfloat16(), None)  # the bf16 engine linear's
+    weight = torch.randn(8, 64, requires_grad=True)
+    router_logits(torch.randn(3, 64), weight, fp32=True).sum().backward()
+    assert weight.grad is not None

@@ -93,6 +93,49 @@ def test_every_layer_decodes_in_one_call_bit_identical(mla_models, monkeypatch, 
         assert torch.equal(a, b), (variant, step, float((a - b).abs().max()))
 
 
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v2-no-q-lora"])
+def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_routing(
+    mla_models, monkeypatch, variant: str
+) -> None:
+    """The one-call step runs each layer's second half too (decode_step.h: DecodeMLP for the dense
+    first layer; DecodeMoEHalf for the MoE layers, grouped routing from the fp32 router, shared
+    experts included), adding each decode token's experts to the HybridMoE's counts as forward_routed
+    does. Recording routing is forward_routed's work in Python, so the MoE half then runs there again;
+    it routes alike, so the recorded counts equal the block's and the logits are bit-identical."""
+    from hetmoe import load_model
+    from hetmoe.models import fast_decode
+    from hetmoe.runtime.hybrid import HybridMoE
+
+    model = load_model(mla_models[variant])
+    moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
+    assert moe and all(fast_decode.whole_layer_in_one_call(m) for m in moe)
+    k = model.config.num_experts_per_tok
+    calls = []
+    real = HybridMoE.forward_routed
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.layer)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridMoE, "forward_routed", spy)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    before = [m.cpu_counts.clone() for m in moe]
+    fast = _greedy(model, ids, 9, fast=True)  # the prompt, then 9 one-token steps
+    counted = [m.cpu_counts - b for m, b in zip(moe, before, strict=True)]
+    assert len(calls) == len(moe)  # forward_routed ran for the prompt only
+    assert all(int(c.sum()) == (5 + 9) * k for c in counted)
+    assert all(layer.__dict__.get("_hetmoe_ffn_half") is not None for layer in model.model.layers)  # dense too
+    calls.clear()
+    moe[0].stats.record_routing = True
+    assert not any(fast_decode.whole_layer_in_one_call(m) for m in moe)  # what paths.py reports
+    recorded = _greedy(model, ids, 9, fast=True)
+    assert len(calls) == 10 * len(moe)  # the prompt and every step in Python
+    for m, c in zip(moe, counted, strict=True):
+        assert torch.equal(moe[0].stats.routing[m.layer], c)
+    for a, b in zip(fast, recorded, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_cache_holds_only_latent_rows(mla_models) -> None:
     """After the prompt and the one-call steps, each layer's cache is the latent rows alone: rank + rope
     values a token (keys) and zero-wide values, as hetmoe plan states."""

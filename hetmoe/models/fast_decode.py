@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import engine_module
-from ..runtime.cpu_experts import CPUExperts
 from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from ..runtime.hybrid import HybridMoE
@@ -54,7 +53,7 @@ from .cpu_attention import ATTENTION_NAMES, attention_forward
 from .fused_norms import _DTYPES, norm_rows, norm_spec
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
-from .mla_decode import mla_layer_eligible, mla_parts, one_token_mla
+from .mla_decode import mla_layer_eligible, mla_parts, moe_in_one_call, one_token_mla
 from .rotary_table import rotary_at
 
 QK_NORMS = {"none": 0, "head": 1, "projection": 2}  # csrc/decode_step.h QKNorm
@@ -489,27 +488,18 @@ def _make_attention_block(
     return block, router, kv, sinks
 
 
-def _experts_in_one_engine(mlp: HybridMoE) -> bool:
-    """This step would run every routed expert of the block in its CPU engine, with nothing for
-    HybridMoE.forward_routed to do in Python around it."""
-    return (
-        isinstance(mlp.cpu, CPUExperts)
-        and not len(mlp.device_experts or ())
-        and mlp.deferred is None
-        and (mlp.layerwise is None or not mlp.layerwise.applies(1))
-        and not mlp.stats.record_routing
-    )
-
-
 def whole_layer_in_one_call(mlp: nn.Module) -> bool:
     """A one-token step of a fast-decode layer with this MoE block would run it inside the layer's
     engine call as things stand (the block's router in the engine, softmax top-k routing, every
-    expert in one engine): what models/paths.py reports."""
+    expert in one engine; for latent attention, mla_decode.moe_in_one_call): what models/paths.py
+    reports."""
+    if isinstance(mlp, HybridMoE) and isinstance(mlp.adapter, MLAAdapter):
+        return moe_in_one_call(mlp)
     return (
         isinstance(mlp, HybridMoE)
         and mlp.adapter.decode_softmax_topk() is not None
         and _router_engine(mlp) is not None
-        and _experts_in_one_engine(mlp)
+        and mlp.one_token_in_engine()
     )
 
 
@@ -522,7 +512,7 @@ def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype)
     mlp = layer._modules["mlp"]
     key = None
     spec = mlp.adapter.decode_softmax_topk() if router is not None and isinstance(mlp, HybridMoE) else None
-    if spec is not None and _experts_in_one_engine(mlp):
+    if spec is not None and mlp.one_token_in_engine():
         key = (block, mlp.cpu, mlp._cpu_counts, spec)
     cached = layer.__dict__.get("_hetmoe_moe_half")
     if cached is key or (

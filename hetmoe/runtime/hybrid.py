@@ -32,6 +32,7 @@ from torch import nn
 
 from ..formats import QuantizedTensor
 from ..models.adapters.base import MoEAdapter
+from .cpu_experts import CPUExperts
 from .device_experts import DeviceExperts
 from .layerwise import compute_layer
 from .placement import choose_swaps
@@ -161,6 +162,19 @@ class HybridMoE(nn.Module):
         assert self.cpu is not None and self.device_experts is not None
         self._device_mask = self.device_experts.mask()
         self.cpu.set_mask(self._device_mask)
+
+    def one_token_in_engine(self) -> bool:
+        """A one-token forward would run every routed expert in the CPU engine (CPUExperts), with
+        nothing for forward_routed to do in Python around it: no expert on the device, none deferred,
+        no layerwise prefill, no routing recorded. Then a one-call decode layer may run this block
+        inside its engine call (models/fast_decode.py, models/mla_decode.py)."""
+        return (
+            isinstance(self.cpu, CPUExperts)
+            and not len(self.device_experts or ())
+            and self.deferred is None
+            and (self.layerwise is None or not self.layerwise.applies(1))
+            and not self.stats.record_routing
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()

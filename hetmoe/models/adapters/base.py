@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .routing import softmax_topk
+from .routing import GroupedTopk, softmax_topk
 
 # A torch activation on the gate and up projections: h = act(gate, up).
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -139,6 +139,13 @@ class MoEAdapter(ABC):
         with normalize) and the block has no shared experts: the
         one-call decode layer then routes in the engine and runs the experts there too, the layer
         without a return to Python (models/fast_decode.py). None otherwise."""
+        return None
+
+    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None] | None:
+        """The grouped router (routing.py's ``GroupedTopk``, and the block's correction bias or None)
+        ``route`` applies to the fp32 logits ``router_logits(x, block.gate.weight, fp32=True)``, where
+        it routes so: a one-call latent-attention layer then routes in the engine and runs the MoE
+        block there too, shared experts included (models/mla_decode.py). None otherwise."""
         return None
 
     @property

@@ -15,7 +15,7 @@ from torch import nn
 from ...checkpoint import CheckpointError
 from ..gguf_names import DEEPSEEK_SHARED, DENSE_MLP, NORMS, ROUTER, GGUFConfig
 from .base import MLAAdapter
-from .routing import router_logits, softmax_group_limited_topk
+from .routing import GroupedTopk, grouped_topk, router_logits, v2_grouped
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -30,13 +30,20 @@ class DeepseekV2Adapter(MLAAdapter):
     rms_norms = (("DeepseekV2RMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec, _ = self.decode_grouped_topk(block)
+        return grouped_topk(router_logits(x, block.gate.weight, fp32=True), spec)
+
+    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None]:
+        spec = self.__dict__.get("_grouped_spec")  # read once: a decode step asks in every layer
+        if spec is None:
+            spec = self._grouped_spec = self._spec()
+        return spec, None
+
+    def _spec(self) -> GroupedTopk:
         c = self.config
-        logits = router_logits(x, block.gate.weight, fp32=True)
-        method = getattr(c, "topk_method", "greedy") or "greedy"
-        return softmax_group_limited_topk(
-            logits,
+        return v2_grouped(
             self.top_k(),
-            method,
+            getattr(c, "topk_method", "greedy") or "greedy",
             c.n_group,
             c.topk_group,
             float(c.routed_scaling_factor),

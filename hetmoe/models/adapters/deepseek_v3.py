@@ -14,17 +14,21 @@ import torch
 from torch import nn
 
 from .base import MLAAdapter, MoEAdapter
-from .routing import router_logits, sigmoid_grouped_topk
+from .routing import GroupedTopk, grouped_topk, router_logits, v3_grouped
 
 
-def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DeepSeek-V3 router on ``block.gate`` (weight and e_score_correction_bias)."""
+def grouped_sigmoid_spec(adapter: MoEAdapter, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor]:
+    """The DeepSeek-V3 router of ``block.gate`` (its e_score_correction_bias) from the config (read
+    once: a decode step asks in every layer)."""
+    spec = adapter.__dict__.get("_grouped_spec")
+    if spec is None:
+        spec = adapter._grouped_spec = _v3_spec(adapter)
+    return spec, block.gate.e_score_correction_bias
+
+
+def _v3_spec(adapter: MoEAdapter) -> GroupedTopk:
     c = adapter.config
-    gate = block.gate
-    logits = router_logits(x, gate.weight, fp32=True)
-    return sigmoid_grouped_topk(
-        logits,
-        gate.e_score_correction_bias,
+    return v3_grouped(
         adapter.top_k(),
         int(c.n_group or 1),
         int(c.topk_group or 1),
@@ -32,6 +36,11 @@ def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor
         float(c.routed_scaling_factor),
         getattr(c, "scoring_func", "sigmoid") == "softmax",
     )
+
+
+def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 router on ``block.gate`` (weight and e_score_correction_bias)."""
+    return grouped_topk(router_logits(x, block.gate.weight, fp32=True), *grouped_sigmoid_spec(adapter, block))
 
 
 class DeepseekV3Adapter(MLAAdapter):
@@ -47,6 +56,9 @@ class DeepseekV3Adapter(MLAAdapter):
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return block.shared_experts(x)
+
+    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None]:
+        return grouped_sigmoid_spec(self, block)
 
     def mla_rotary(
         self, attn: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings: Any

@@ -13,6 +13,7 @@ engine call costs less than the ten torch ops of a grouped router). Inputs are r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,9 +46,29 @@ def router_logits(
     engine = engine_linear(weight, bias)
     if engine is not None:
         y = engine.forward(x.float())  # a direct call: a decode step routes in every layer
+    elif fp32_router_in_engine(weight, bias):
+        y = _fp32_router(x.float(), weight)
     else:
         y = F.linear(x.float(), _fp32_copy(weight), None if bias is None else _fp32_copy(bias))
     return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def fp32_router_in_engine(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``router_logits`` computes an fp32 router (DeepSeek's: transformers keeps its weight in
+    fp32) in the engine (csrc/routing.h: router_logits_f32, what the one-call latent-attention layer
+    computes it with): an fp32 ``[E, H]`` CPU weight, H a multiple of 16, no bias."""
+    if bias is not None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 16:
+        return False
+    return weight.device.type == "cpu" and weight.is_contiguous() and _engine_for(weight, torch.float32) is not None
+
+
+def _fp32_router(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows, cols = weight.shape
+    flat = x.reshape(-1, cols).contiguous()
+    y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
+    engine = _engine_for(weight, torch.float32)
+    engine.router_logits_f32(weight.data_ptr(), rows, cols, flat.data_ptr(), flat.shape[0], y.data_ptr())
+    return y
 
 
 def _version(t: torch.Tensor) -> int:
@@ -138,6 +159,103 @@ def group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_scores
     return mask.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(-1, e).bool()
 
 
+@dataclass(frozen=True)
+class GroupedTopk:
+    """A grouped router's choice (csrc/routing.h: GroupedTopk): scores by sigmoid (else softmax over
+    the row), choice by score + bias (where the block has one) among the ``topk_group`` best of
+    ``n_group`` equal groups, a group scored by its largest choice value (``group_by_max``, DeepSeek-V2)
+    or its two largest summed (V3); experts outside them masked to 0 (``masked_zero``: V2, which
+    weighs by the masked scores) or -inf (V3, by the unmasked ones); the k weights divided by their
+    sum plus ``eps`` where ``normalize``, then multiplied by ``scaling``."""
+
+    k: int
+    sigmoid: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    group_by_max: bool = False
+    masked_zero: bool = False
+    normalize: bool = False
+    eps: float = 0.0
+    scaling: float = 1.0
+
+
+def grouped_topk(
+    logits: torch.Tensor, spec: GroupedTopk, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights fp32 [T, k], ids [T, k])`` of ``spec`` from ``logits [T, E]``. On CPU fp32 logits
+    without autograd the engine's (csrc/routing.h: grouped_topk): the same ids in the same order as
+    the torch version below takes (torch.topk's own algorithm on the same fp32 choice values), each
+    weight rounded once from its exact value (torch's ops are a few ulps off it)."""
+    e = logits.shape[-1]
+    limited = spec.topk_group < spec.n_group
+    if limited and (e % spec.n_group or (not spec.group_by_max and e // spec.n_group < 2)):
+        raise ValueError(f"{e} experts in {spec.n_group} groups: equal groups, of two or more scored by their two best")
+    routed = _grouped_in_engine(logits, spec, bias)
+    if routed is not None:
+        return routed
+    scores = logits.softmax(dim=-1, dtype=torch.float32) if not spec.sigmoid else logits.sigmoid()
+    for_choice = scores if bias is None else scores + bias
+    if limited:
+        grouped = for_choice.view(-1, spec.n_group, e // spec.n_group)
+        group_scores = grouped.max(dim=-1).values if spec.group_by_max else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        allowed = group_mask(scores, spec.n_group, spec.topk_group, group_scores)
+        for_choice = for_choice.masked_fill(~allowed, 0.0 if spec.masked_zero else float("-inf"))
+        if spec.masked_zero:
+            scores = for_choice  # V2: the choice values are the masked scores, and its weights
+    ids = torch.topk(for_choice, k=spec.k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if spec.normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.eps)
+    return weights * spec.scaling, ids
+
+
+def _grouped_in_engine(
+    logits: torch.Tensor, spec: GroupedTopk, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """grouped_topk's engine path where it routes these logits: CPU fp32 ``[T, E]`` without
+    autograd, the bias (if any) an ``[E]`` tensor on the CPU; else None."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or (bias is not None and bias.device.type != "cpu"):
+        return None
+    engine = _engine_for(logits, torch.float32)
+    if engine is None or (bias is not None and torch.is_grad_enabled() and bias.requires_grad):
+        return None
+    rows, experts = logits.shape
+    b = None if bias is None else _fp32_copy(bias).contiguous()
+    if b is not None and b.shape != (experts,):
+        return None
+    flat = logits.contiguous()
+    ids = torch.empty(rows, spec.k, dtype=torch.int64)
+    weights = torch.empty(rows, spec.k, dtype=torch.float32)
+    engine.grouped_topk(flat.data_ptr(), rows, experts, spec.k, spec.sigmoid, 0 if b is None else b.data_ptr(),
+                        spec.n_group, spec.topk_group, spec.group_by_max, spec.masked_zero, spec.normalize, spec.eps,
+                        spec.scaling, ids.data_ptr(), weights.data_ptr())  # fmt: skip
+    return weights, ids
+
+
+def v3_grouped(
+    k: int, n_group: int, topk_group: int, normalize: bool, scaling: float, softmax: bool = False
+) -> GroupedTopk:
+    """DeepSeek-V3 / Kimi-K2 / GLM-4-MoE: sigmoid scores (softmax scores for ``softmax``: a GGUF
+    whose metadata names no gating function, run as llama.cpp runs it), choice by score + correction
+    bias within the best groups (a group's score: the sum of its two best), weights from the
+    unbiased scores, renormalised with transformers' 1e-20 where ``normalize``."""
+    return GroupedTopk(k, not softmax, n_group, topk_group, False, False, normalize, 1e-20, scaling)
+
+
+def v2_grouped(
+    k: int, method: str, n_group: int | None, topk_group: int | None, scaling: float, renormalize: bool = False
+) -> GroupedTopk:
+    """DeepSeek-V2: softmax scores, top-k overall (``greedy``) or within the ``topk_group`` groups
+    with the highest single score (``group_limited_greedy``), scaled; not renormalised unless
+    ``renormalize`` (llama.cpp's expert_weights_norm: the k weights divided by their sum, then scaled)."""
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    if method == "greedy":
+        return GroupedTopk(k, False, 1, 1, True, True, renormalize, 0.0, scaling)
+    assert n_group and topk_group
+    return GroupedTopk(k, False, n_group, topk_group, True, True, renormalize, 0.0, scaling)
+
+
 def sigmoid_grouped_topk(
     logits: torch.Tensor,
     bias: torch.Tensor,
@@ -148,29 +266,8 @@ def sigmoid_grouped_topk(
     scaling: float,
     softmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 / Kimi-K2 / GLM-4-MoE: sigmoid scores (softmax scores for ``softmax``: a GGUF
-    whose metadata names no gating function, run as llama.cpp runs it), choice by score + correction
-    bias within the best groups (a group's score: the sum of its two best), weights from the
-    unbiased scores. On CPU fp32 logits without autograd, the engine's (``_grouped_in_engine``)."""
-    e = logits.shape[-1]
-    if n_group > 1 and topk_group < n_group and e // n_group < 2:
-        raise ValueError(f"{e} experts in {n_group} groups: a group's score needs two experts")
-    routed = _grouped_in_engine(
-        logits, k, sigmoid=not softmax, bias=bias, n_group=n_group, topk_group=topk_group, group_by_max=False,
-        masked_zero=False, normalize=normalize, eps=1e-20, scaling=scaling,
-    )  # fmt: skip
-    if routed is not None:
-        return routed
-    scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
-    for_choice = scores + bias
-    group_scores = for_choice.view(-1, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    allowed = group_mask(scores, n_group, topk_group, group_scores)
-    for_choice = for_choice.masked_fill(~allowed, float("-inf"))
-    ids = torch.topk(for_choice, k=k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if normalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
-    return weights * scaling, ids
+    """DeepSeek-V3's router (``v3_grouped``) on its logits and correction bias."""
+    return grouped_topk(logits, v3_grouped(k, n_group, topk_group, normalize, scaling, softmax), bias)
 
 
 def softmax_group_limited_topk(
@@ -182,83 +279,13 @@ def softmax_group_limited_topk(
     scaling: float,
     renormalize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2: softmax scores, top-k overall (``greedy``) or within the ``topk_group`` groups
-    with the highest single score (``group_limited_greedy``), scaled; not renormalised unless
-    ``renormalize`` (llama.cpp's expert_weights_norm: the k weights divided by their sum, then scaled).
-    On CPU fp32 logits without autograd, the engine's (``_grouped_in_engine``)."""
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
-    limited = method == "group_limited_greedy"
-    if limited:
-        assert n_group and topk_group
-    routed = _grouped_in_engine(
-        logits, k, sigmoid=False, bias=None, n_group=n_group if limited else 1,
-        topk_group=topk_group if limited else 1, group_by_max=True, masked_zero=True, normalize=renormalize, eps=0.0,
-        scaling=scaling,
-    )  # fmt: skip
-    if routed is not None:
-        return routed
-    scores = logits.softmax(dim=-1, dtype=torch.float32)
-    if limited:
-        e = scores.shape[-1]
-        group_scores = scores.view(-1, n_group, e // n_group).max(dim=-1).values
-        scores = scores.masked_fill(~group_mask(scores, n_group, topk_group, group_scores), 0.0)
-    weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * scaling, ids
+    """DeepSeek-V2's router (``v2_grouped``) on its logits."""
+    return grouped_topk(logits, v2_grouped(k, method, n_group, topk_group, scaling, renormalize))
 
 
 def sigmoid_biased_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiniMax-M2: sigmoid scores in fp32, choice by score + correction bias, renormalised weights. On
-    CPU logits without autograd, the engine's (``_grouped_in_engine``)."""
-    routed = _grouped_in_engine(
-        logits.float(), k, sigmoid=True, bias=bias, n_group=1, topk_group=1, group_by_max=False, masked_zero=False,
-        normalize=True, eps=0.0, scaling=1.0,
-    )  # fmt: skip
-    if routed is not None:
-        return routed
-    scores = torch.sigmoid(logits.float())
-    ids = torch.topk(scores + bias, k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    weights /= weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def _grouped_in_engine(
-    logits: torch.Tensor,
-    k: int,
-    *,
-    sigmoid: bool,
-    bias: torch.Tensor | None,
-    n_group: int,
-    topk_group: int,
-    group_by_max: bool,
-    masked_zero: bool,
-    normalize: bool,
-    eps: float,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A grouped router's ``(weights, ids)`` from the engine (csrc/routing.h: grouped_topk) where it
-    routes these logits: CPU fp32 ``[T, E]`` without autograd, the bias (if any) on the CPU. The same
-    ids in the same order as the torch versions here take (torch.topk's own algorithm on the same fp32
-    choice values), each weight rounded once from its exact value (torch's ops are a few ulps off it)."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or (bias is not None and bias.device.type != "cpu"):
-        return None
-    engine = _engine_for(logits, torch.float32)
-    if engine is None or (bias is not None and torch.is_grad_enabled() and bias.requires_grad):
-        return None
-    rows, experts = logits.shape
-    flat = logits.contiguous()
-    b = None if bias is None else _fp32_copy(bias).contiguous()
-    if b is not None and b.shape != (experts,):
-        return None
-    ids = torch.empty(rows, k, dtype=torch.int64)
-    weights = torch.empty(rows, k, dtype=torch.float32)
-    engine.grouped_topk(flat.data_ptr(), rows, experts, k, sigmoid, 0 if b is None else b.data_ptr(), n_group,
-                        topk_group, group_by_max, masked_zero, normalize, eps, scaling, ids.data_ptr(),
-                        weights.data_ptr())  # fmt: skip
-    return weights, ids
+    """MiniMax-M2: sigmoid scores in fp32, choice by score + correction bias, renormalised weights."""
+    return grouped_topk(logits.float(), GroupedTopk(k, normalize=True), bias)
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
