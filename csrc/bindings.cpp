@@ -154,6 +154,66 @@ DecodeMLP mlp_from(const py::tuple& t, int64_t hidden, const std::string& what) 
   return m;
 }
 
+// A one-call block's DecodeFFN (decode_step.h), set from Python (hetmoe/models/ffn_half.py) on either
+// block: set_ffn_moe gives it a MoE block routed by grouped_topk (routing.h) from its router's fp32
+// logits, or clears it with experts None; set_ffn_mlp gives it a dense MLP (all None: none). The
+// router engine, experts and MLP engines are kept alive by the block; the fp32 router weight, the
+// skip mask ([E] uint8), bias ([E] fp32 or 0) and counts ([E] int64 or 0) stay owned by Python.
+template <typename Block>
+void def_ffn(py::class_<Block>& cls) {
+  cls.def(
+         "set_ffn_moe",
+         [](Block& b, LinearEngine* router, uintptr_t router_f32, MoEEngine* experts, uintptr_t skip_mask, int top_k,
+            bool sigmoid, uintptr_t bias, int n_group, int topk_group, bool group_by_max, bool masked_zero,
+            bool normalize, double eps, double scaling, uintptr_t counts, const py::tuple& shared) {
+           DecodeFFN& f = b.ffn;
+           if (!experts) {
+             f.router = nullptr;
+             f.router_f32 = nullptr;
+             f.moe = DecodeMoEHalf{};
+             return;
+           }
+           const int E = experts->experts();
+           if (!router == !router_f32 || (router && (router->rows() != E || router->cols() != b.hidden)) ||
+               b.hidden % 16)
+             throw py::value_error("set_ffn_moe: one router (an engine linear or an fp32 weight) must map hidden (a "
+                                   "multiple of 16) to one logit an expert");
+           if (top_k <= 0 || top_k > E) throw py::value_error("set_ffn_moe: top_k must be in [1, experts]");
+           if (n_group <= 0 || E % n_group || topk_group <= 0 || topk_group > n_group ||
+               (topk_group < n_group && !group_by_max && E / n_group < 2))
+             throw py::value_error("set_ffn_moe: groups as grouped_topk takes them");
+           if (!skip_mask) throw py::value_error("set_ffn_moe: a null skip mask");
+           DecodeMoEHalf moe;
+           moe.experts = experts;
+           moe.skip_mask = reinterpret_cast<const uint8_t*>(skip_mask);
+           moe.top_k = top_k;
+           moe.routing = kRouteGrouped;
+           moe.grouped.sigmoid = sigmoid;
+           moe.grouped.bias = reinterpret_cast<const float*>(bias);
+           moe.grouped.n_group = n_group;
+           moe.grouped.topk_group = topk_group;
+           moe.grouped.group_by_max = group_by_max;
+           moe.grouped.masked_zero = masked_zero;
+           moe.grouped.normalize = normalize;
+           moe.grouped.eps = eps;
+           moe.grouped.scaling = scaling;
+           moe.counts = reinterpret_cast<int64_t*>(counts);
+           moe.shared = mlp_from(shared, b.hidden, "set_ffn_moe: shared");
+           f.router = router;
+           f.router_f32 = reinterpret_cast<const float*>(router_f32);
+           f.moe = moe;
+         },
+         py::arg("router").none(true), py::arg("router_f32"), py::arg("experts").none(true), py::arg("skip_mask") = 0,
+         py::arg("top_k") = 0, py::arg("sigmoid") = true, py::arg("bias") = 0, py::arg("n_group") = 1,
+         py::arg("topk_group") = 1, py::arg("group_by_max") = false, py::arg("masked_zero") = false,
+         py::arg("normalize") = false, py::arg("eps") = 0.0, py::arg("scaling") = 1.0, py::arg("counts") = 0,
+         py::arg("shared") = py::make_tuple(py::none(), py::none(), py::none(), py::none()), py::keep_alive<1, 2>(),
+         py::keep_alive<1, 4>(), py::keep_alive<1, 17>())
+      .def(
+          "set_ffn_mlp", [](Block& b, const py::tuple& mlp) { b.ffn.mlp = mlp_from(mlp, b.hidden, "set_ffn_mlp"); },
+          py::arg("mlp"), py::keep_alive<1, 2>());
+}
+
 // A MoE layer's projection against the layer's shape: gate and up map hidden to intermediate, down
 // intermediate to hidden. A mismatch would make the kernels read past a row or write past the output.
 void check_moe_proj(const char* name, const Proj& p, int rows, int cols) {
@@ -736,7 +796,8 @@ PYBIND11_MODULE(_C, m) {
           "the rows of every expert each NUMA node owns: gate's and up's (of the intermediate dimension), down's "
           "(of the hidden dimension), and the node their pages were moved to (-1: not moved)");
 
-  py::class_<DecodeAttentionBlock>(m, "DecodeAttentionBlock")
+  py::class_<DecodeAttentionBlock> attention_block(m, "DecodeAttentionBlock");
+  attention_block
       .def(py::init([](int dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, const py::tuple& norms,
                        float scale, LinearEngine* qkv, LinearEngine* o_proj, LinearEngine* router, int qk_norm,
                        int64_t rotary_dim, uintptr_t sinks, LinearEngine* k_proj, LinearEngine* v_proj, bool gated) {
@@ -795,7 +856,8 @@ PYBIND11_MODULE(_C, m) {
                                              o_proj,
                                              router,
                                              gated,
-                                             DecodeMoEHalf{}};
+                                             DecodeMoEHalf{},
+                                             DecodeFFN{}};
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("norms"), py::arg("scale"), py::arg("qkv"), py::arg("o_proj"), py::arg("router").none(true),
@@ -857,6 +919,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("experts").none(true), py::arg("skip_mask") = 0, py::arg("top_k") = 0, py::arg("normalize") = false,
           py::arg("round_bf16") = false, py::arg("counts") = 0, py::keep_alive<1, 2>());
+  def_ffn(attention_block);
 
   m.def(
       "softmax_topk",
@@ -940,7 +1003,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dtype"), py::arg("g"), py::arg("beta"), py::arg("state"),
       py::arg("out"), py::arg("k_heads"), py::arg("v_heads"), py::arg("dk"), py::arg("dv"));
 
-  py::class_<DecodeMLABlock>(m, "DecodeMLABlock")
+  py::class_<DecodeMLABlock> mla_block(m, "DecodeMLABlock");
+  mla_block
       .def(py::init([](int64_t hidden, int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t v_dim,
                        int64_t q_rank, const py::tuple& norms, int rope_mode, float scale, LinearEngine* q_in,
                        LinearEngine* kv_a, LinearEngine* q_b, const py::tuple& w_uk_t, const py::tuple& w_uv,
@@ -997,9 +1061,6 @@ PYBIND11_MODULE(_C, m) {
                                        uk,
                                        uv,
                                        o_proj,
-                                       nullptr,
-                                       nullptr,
-                                       {},
                                        {}};
            }),
            py::arg("hidden"), py::arg("heads"), py::arg("nope"), py::arg("rope"), py::arg("rank"), py::arg("v_dim"),
@@ -1025,59 +1086,8 @@ PYBIND11_MODULE(_C, m) {
                          reinterpret_cast<void*>(x_out), reinterpret_cast<void*>(h_out));
           },
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("cache"), py::arg("row_stride"), py::arg("position"),
-          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"))
-      .def(
-          "set_moe",
-          [](DecodeMLABlock& b, LinearEngine* router, uintptr_t router_f32, MoEEngine* experts, uintptr_t skip_mask,
-             int top_k, bool sigmoid, uintptr_t bias, int n_group, int topk_group, bool group_by_max, bool masked_zero,
-             bool normalize, double eps, double scaling, uintptr_t counts, const py::tuple& shared) {
-            // The layer's MoE half (decode_step.h: DecodeMoEHalf, routed by routing.h's grouped_topk from
-            // the router's fp32 logits), or none with experts None. The router: a bf16 engine linear, or
-            // router_f32, an fp32 weight [E, hidden] (routing.h: router_logits_f32). The fp32 weight, mask
-            // ([E] uint8), bias ([E] fp32 or 0) and counts ([E] int64 or 0) stay owned by Python.
-            DecodeMoEHalf moe;
-            if (experts) {
-              const int E = experts->experts();
-              if (!router == !router_f32 || (router && (router->rows() != E || router->cols() != b.hidden)) ||
-                  b.hidden % 16)
-                throw py::value_error("DecodeMLABlock.set_moe: one router (an engine linear or an fp32 weight) must "
-                                      "map hidden (a multiple of 16) to one logit an expert");
-              if (top_k <= 0 || top_k > E) throw py::value_error("DecodeMLABlock.set_moe: top_k must be in [1, experts]");
-              if (n_group <= 0 || E % n_group || topk_group <= 0 || topk_group > n_group ||
-                  (topk_group < n_group && !group_by_max && E / n_group < 2))
-                throw py::value_error("DecodeMLABlock.set_moe: groups as grouped_topk takes them");
-              if (!skip_mask) throw py::value_error("DecodeMLABlock.set_moe: a null skip mask");
-              moe.experts = experts;
-              moe.skip_mask = reinterpret_cast<const uint8_t*>(skip_mask);
-              moe.top_k = top_k;
-              moe.routing = kRouteGrouped;
-              moe.grouped.sigmoid = sigmoid;
-              moe.grouped.bias = reinterpret_cast<const float*>(bias);
-              moe.grouped.n_group = n_group;
-              moe.grouped.topk_group = topk_group;
-              moe.grouped.group_by_max = group_by_max;
-              moe.grouped.masked_zero = masked_zero;
-              moe.grouped.normalize = normalize;
-              moe.grouped.eps = eps;
-              moe.grouped.scaling = scaling;
-              moe.counts = reinterpret_cast<int64_t*>(counts);
-              moe.shared = mlp_from(shared, b.hidden, "DecodeMLABlock.set_moe: shared");
-            }
-            b.router = experts ? router : nullptr;
-            b.router_f32 = experts ? reinterpret_cast<const float*>(router_f32) : nullptr;
-            b.moe = moe;
-          },
-          py::arg("router").none(true), py::arg("router_f32"), py::arg("experts").none(true), py::arg("skip_mask") = 0,
-          py::arg("top_k") = 0,
-          py::arg("sigmoid") = true, py::arg("bias") = 0, py::arg("n_group") = 1, py::arg("topk_group") = 1,
-          py::arg("group_by_max") = false, py::arg("masked_zero") = false, py::arg("normalize") = false,
-          py::arg("eps") = 0.0, py::arg("scaling") = 1.0, py::arg("counts") = 0,
-          py::arg("shared") = py::make_tuple(py::none(), py::none(), py::none(), py::none()), py::keep_alive<1, 2>(),
-          py::keep_alive<1, 4>(), py::keep_alive<1, 17>())
-      .def(
-          "set_mlp",
-          [](DecodeMLABlock& b, const py::tuple& mlp) { b.mlp = mlp_from(mlp, b.hidden, "DecodeMLABlock.set_mlp"); },
-          py::arg("mlp"), py::keep_alive<1, 2>());
+          py::arg("capacity"), py::arg("x_out"), py::arg("h_out"));
+  def_ffn(mla_block);
 
   m.def(
       "silu_rounded",

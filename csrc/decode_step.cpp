@@ -245,7 +245,7 @@ double DecodeAttentionBlock::run(const void* x, const void* cos, const void* sin
   if (gated) apply_gate(kt, attn.data(), gate.data(), dtype, heads * D);
   linear_row(o_proj, attn.data(), dtype, o.data(), dtype);
   residual_post_norm(kt, x, o.data(), dtype, hidden, post_norm, x_out, h_out);
-  if (!router) return 0;
+  if (!router) return ffn.run(kt, h_out, dtype, hidden, x_out);
   // The router takes an fp32 copy of h and rounds its fp32 logits to the dtype.
   thread_local std::vector<float> a;
   if (dtype == kBF16Data) {
@@ -306,6 +306,26 @@ double run_mlp_half(const KernelTable* kt, const DecodeMLP& mlp, const void* h, 
   mlp.run(kt, h, dtype, y.data());
   combine(kt, x_out, y.data(), dtype, hidden, x_out, [](float a, float b) { return a + b; });
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double DecodeFFN::run(const KernelTable* kt, const void* h, int dtype, int64_t hidden, void* x_out) const {
+  if (mlp.down) return run_mlp_half(kt, mlp, h, dtype, hidden, x_out);
+  if (!moe.experts) return 0;
+  // The router takes an fp32 copy of h and keeps its fp32 logits (as DeepSeek's and GLM's compute)
+  thread_local std::vector<float> hf, logits;
+  const int64_t experts = moe.experts->experts();
+  logits.resize(experts);
+  const float* x = static_cast<const float*>(h);
+  if (dtype == kBF16Data) {
+    hf.resize(hidden);
+    kt->bf16_to_f32(static_cast<const uint16_t*>(h), hf.data(), int(hidden));
+    x = hf.data();
+  }
+  if (router_f32)
+    router_logits_f32(kt, router_f32, experts, hidden, x, 1, logits.data());
+  else
+    linear_row(router, x, kF32, logits.data(), kF32);
+  return run_moe_half(kt, moe, logits.data(), kF32, h, dtype, hidden, x_out);
 }
 
 double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void* logits, int logits_dtype,

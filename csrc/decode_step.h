@@ -125,6 +125,20 @@ double run_mlp_half(const KernelTable* kt, const DecodeMLP& mlp, const void* h, 
 double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void* logits, int logits_dtype,
                     const void* h, int dtype, int64_t hidden, void* x_out);
 
+// A layer's second half run from h inside a one-call block, where hetmoe/models/ffn_half.py gives it
+// one: a dense layer's MLP, or a MoE block routed by a grouped router (kRouteGrouped) from fp32 logits
+// of an fp32 copy of h, as models/adapters/routing.py's router_logits computes them (a bf16 router in
+// the engine, or an fp32 weight through routing.h's router_logits_f32), its shared experts included.
+struct DecodeFFN {
+  LinearEngine* router = nullptr;     // [hidden] fp32 -> [experts] fp32, or
+  const float* router_f32 = nullptr;  // [experts, hidden] fp32 (owned by Python)
+  DecodeMoEHalf moe;                  // experts nullptr: no MoE block
+  DecodeMLP mlp;                      // down nullptr: no MLP
+  // x_out [hidden] += the half's output for h [hidden], both in dtype; the seconds it took, 0 where
+  // there is no half (the caller runs the layer's MLP).
+  double run(const KernelTable* kt, const void* h, int dtype, int64_t hidden, void* x_out) const;
+};
+
 // A decoder layer's attention half for one token (shapes checked by the Python side once, when it
 // makes the block, and the per-step pointers by hetmoe/models/fast_decode.py); with `moe`, the whole
 // layer.
@@ -146,15 +160,17 @@ struct DecodeAttentionBlock {
   // ([H * 2D] where the query alone is [H * D]), and the attention's output is multiplied by
   // sigmoid(gate) before o_proj, as transformers' Qwen3NextAttention does in the dtype.
   bool gated = false;
-  DecodeMoEHalf moe;
+  DecodeMoEHalf moe;  // with the router: the rest of the layer, routed by softmax top-k from its logits
+  DecodeFFN ffn;      // without a router: the rest of the layer, or none
 
   // The q projection's output width: [H * D], or [H * 2D] when gated.
   int64_t q_width() const { return heads * D * (gated ? 2 : 1); }
 
   // x [hidden] -> x_out = x + o_proj(attention(...)), h_out = post_norm(x_out), both [hidden] in
   // dtype; with a router, logits [experts] = router(fp32(h_out)) rounded to dtype, as
-  // models/adapters/routing.py computes a bf16 router's logits. With moe.experts (and the router),
-  // x_out then also has the MoE block's output added; returns the seconds that part took (else 0).
+  // models/adapters/routing.py computes a bf16 router's logits. With moe.experts (and the router) or
+  // with ffn's half (and no router), x_out then also has that half's output added; returns the seconds
+  // that part took (else 0).
   double run(const void* x, const void* cos, const void* sin, const KVRows& kv, void* x_out, void* h_out,
              void* logits) const;
 };

@@ -4,9 +4,7 @@
 #include <vector>
 
 #include "engine_common.h"
-#include "moe_engine.h"
 #include "norms.h"
-#include "routing.h"
 
 namespace hetmoe {
 
@@ -127,19 +125,7 @@ double DecodeMLABlock::run(const void* x, const void* cos, const void* sin, uint
   o.resize(size_t(hidden) * kElem);
   linear_row(o_proj, attn.data(), kBF16Data, o.data(), kBF16Data);
   residual_post_norm(kt, x, o.data(), kBF16Data, hidden, post_norm, x_out, h_out);
-  if (mlp.down) return run_mlp_half(kt, mlp, h_out, kBF16Data, hidden, x_out);
-  if (!moe.experts) return 0;
-  // The router takes an fp32 copy of h and keeps its fp32 logits (DeepSeek's router computes in fp32)
-  thread_local std::vector<float> hf, logits;
-  hf.resize(hidden);
-  const int64_t experts = moe.experts->experts();
-  logits.resize(experts);
-  kt->bf16_to_f32(static_cast<const uint16_t*>(h_out), hf.data(), int(hidden));
-  if (router_f32)
-    router_logits_f32(kt, router_f32, experts, hidden, hf.data(), 1, logits.data());
-  else
-    linear_row(router, hf.data(), kF32, logits.data(), kF32);
-  return run_moe_half(kt, moe, logits.data(), kF32, h_out, kBF16Data, hidden, x_out);
+  return ffn.run(kt, h_out, kBF16Data, hidden, x_out);
 }
 
 }  // namespace hetmoe

@@ -39,19 +39,12 @@ struct DecodeMLABlock {
   // or a GGUF file's attn_k_b and attn_v_b in their stored block type
   Proj w_uk_t, w_uv;
   LinearEngine* o_proj;  // heads * v_dim -> hidden
-  // The layer's second half where hetmoe/models/mla_decode.py gives it one (set_moe, set_mlp): the MoE
-  // block (fp32 logits from an fp32 copy of h, as models/adapters/routing.py's router_logits computes
-  // DeepSeek's: a bf16 router in the engine, or an fp32 weight [experts, hidden] through
-  // router_logits_f32; grouped routing; its shared experts) or a dense layer's MLP.
-  LinearEngine* router = nullptr;
-  const float* router_f32 = nullptr;
-  DecodeMoEHalf moe;
-  DecodeMLP mlp;
+  DecodeFFN ffn;  // the rest of the layer (a dense MLP or the MoE block), or none
 
   // x [hidden] bf16 -> x_out = x + o_proj(attention), h_out = post_norm(x_out). The cache is
   // [capacity, rank + rope] bf16 rows `row_stride` elements apart; this token's row goes to
-  // `position` and the query attends over rows 0 .. position. With moe.experts or mlp, x_out then
-  // also has that half's output added: returns the seconds it took (else 0).
+  // `position` and the query attends over rows 0 .. position. With ffn's half, x_out then also has
+  // that half's output added: returns the seconds it took (else 0).
   double run(const void* x, const void* cos, const void* sin, uint8_t* cache, int64_t row_stride, int64_t position,
              void* x_out, void* h_out) const;
 };

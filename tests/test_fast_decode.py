@@ -164,15 +164,20 @@ def test_model_forward_is_fast_and_bit_identical_in_generate(tiny_cache) -> None
         assert torch.equal(a, b)
 
 
-def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_routing(tiny_cache, monkeypatch) -> None:
-    """Where the block runs the whole layer (decode_step.h's DecodeMoEHalf), it adds each decode
-    token's experts to the HybridMoE's counts, as forward_routed does. Recording routing is
-    forward_routed's work in Python, so the layer's MoE half then runs there again; it routes alike, so
-    the recorded counts equal the block's, and the logits are bit-identical."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_routing(
+    tiny_cache, monkeypatch, model_type: str
+) -> None:
+    """Where the block runs the whole layer (decode_step.h's DecodeMoEHalf: Qwen3-MoE's softmax top-k
+    from the block's logits; GLM-4-MoE's grouped router and shared experts through DecodeFFN, whose
+    dense first layer runs its MLP in the block too), it adds each decode token's experts to the
+    HybridMoE's counts, as forward_routed does. Recording routing is forward_routed's work in Python,
+    so the layer's MoE half then runs there again; it routes alike, so the recorded counts equal the
+    block's, and the logits are bit-identical."""
     import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
 
-    model = load_model(tiny_cache.model("qwen3_moe"), dense_method="bf16")
+    model = load_model(tiny_cache.model(model_type), dense_method="bf16")
     moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
     assert all(fast_decode.whole_layer_in_one_call(m) for m in moe)
     k = model.config.num_experts_per_tok
@@ -190,6 +195,8 @@ def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_rou
     counted = [m.cpu_counts - b for m, b in zip(moe, before, strict=True)]
     assert len(calls) == len(moe)  # forward_routed ran for the prompt only
     assert all(int(c.sum()) == (5 + 9) * k for c in counted)
+    if model_type == "glm4_moe":  # its dense first layer's MLP ran in the block too
+        assert all(layer.__dict__.get("_hetmoe_ffn_half") is not None for layer in model.model.layers)
     calls.clear()
     moe[0].stats.record_routing = True
     assert not any(fast_decode.whole_layer_in_one_call(m) for m in moe)  # what paths.py reports

@@ -109,6 +109,9 @@ def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_rou
     model = load_model(mla_models[variant])
     moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
     assert moe and all(fast_decode.whole_layer_in_one_call(m) for m in moe)
+    summary = model.hetmoe.summary(verbose=True)
+    assert "routed and run in the decode step's one call" in summary
+    assert "mlp dense, run in the decode step's one call" in summary  # the first layer
     k = model.config.num_experts_per_tok
     calls = []
     real = HybridMoE.forward_routed

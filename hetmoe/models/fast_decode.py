@@ -50,10 +50,11 @@ from ..runtime.hybrid import HybridMoE
 from .adapters.base import MLAAdapter, MoEAdapter
 from .adapters.routing import engine_linear
 from .cpu_attention import ATTENTION_NAMES, attention_forward
+from .ffn_half import moe_in_one_call, set_ffn_half
 from .fused_norms import _DTYPES, norm_rows, norm_spec
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
-from .mla_decode import mla_layer_eligible, mla_parts, moe_in_one_call, one_token_mla
+from .mla_decode import mla_layer_eligible, mla_parts, one_token_mla
 from .rotary_table import rotary_at
 
 QK_NORMS = {"none": 0, "head": 1, "projection": 2}  # csrc/decode_step.h QKNorm
@@ -491,9 +492,9 @@ def _make_attention_block(
 def whole_layer_in_one_call(mlp: nn.Module) -> bool:
     """A one-token step of a fast-decode layer with this MoE block would run it inside the layer's
     engine call as things stand (the block's router in the engine, softmax top-k routing, every
-    expert in one engine; for latent attention, mla_decode.moe_in_one_call): what models/paths.py
+    expert in one engine; for a grouped router, ffn_half.moe_in_one_call): what models/paths.py
     reports."""
-    if isinstance(mlp, HybridMoE) and isinstance(mlp.adapter, MLAAdapter):
+    if isinstance(mlp, HybridMoE) and mlp.adapter.decode_grouped_topk(mlp) is not None:
         return moe_in_one_call(mlp)
     return (
         isinstance(mlp, HybridMoE)
@@ -561,7 +562,11 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     x_out = torch.empty(1, 1, hidden, dtype=dtype)
     h_out = torch.empty(1, hidden, dtype=dtype)
     logits = None if router is None else torch.empty(1, router.out_features, dtype=dtype)
-    _set_moe_half(layer, block, router, dtype)
+    mlp = layer._modules["mlp"]
+    if router is None:  # the rest of the layer from h_out, where the block can run it (ffn_half.py)
+        set_ffn_half(layer, mlp, block)
+    else:
+        _set_moe_half(layer, block, router, dtype)
     moe_seconds = block.run(
         x.data_ptr(),
         cos.data_ptr(),
@@ -580,8 +585,9 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
         first,
     )
     layer_cache.commit(1)
-    mlp = layer._modules["mlp"]
-    if moe_seconds:  # the block ran the MoE half too: x_out is the layer's output
+    if moe_seconds:  # the block ran the layer's second half too: x_out is the layer's output
+        if not isinstance(mlp, HybridMoE):  # a dense MLP
+            return x_out
         t = mlp.stats.timing
         t.calls += 1
         t.tokens += 1

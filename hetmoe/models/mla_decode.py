@@ -29,11 +29,10 @@ from torch import nn
 
 from ..kernels.dispatch import engine_module
 from ..runtime.cpu_linear import CPULinear
-from ..runtime.engine_silu import EngineSiLU
 from ..runtime.fused_linears import FusedLinears, FusedSlice
 from ..runtime.hybrid import HybridMoE
 from .adapters.base import MLAAdapter
-from .adapters.routing import _fp32_copy, engine_linear, fp32_router_in_engine
+from .ffn_half import set_ffn_half
 from .fused_norms import norm_spec
 from .mla_attention import _absorbed_weights, stored_heads, weight_state
 
@@ -206,7 +205,7 @@ def one_token_mla(
     h_out = torch.empty(1, 1, hidden, dtype=x.dtype)
     cos, sin = tables
     mlp = layer._modules["mlp"]
-    _set_ffn_half(layer, mlp, block)
+    set_ffn_half(layer, mlp, block)
     ffn_seconds = block.run(
         x.data_ptr(),
         cos.data_ptr(),
@@ -232,94 +231,4 @@ def one_token_mla(
     return x_out + (out[0] if layer.__dict__["_hetmoe_router_scores"] else out)
 
 
-_NO_MLP = (None, None, None, None)
-
-
-def _mlp_engines(mlp: nn.Module) -> tuple[Any, Any, Any, Any] | None:
-    """``(gate_up, gate, up, down)`` engines of a SwiGLU MLP whose linears run in the engine (gate and
-    up fused or apart) and whose activation is the engine's (runtime/engine_silu.py), nothing hooked:
-    csrc/decode_step.h's DecodeMLP computes it with the same calls. None otherwise."""
-    mods = mlp._modules
-    act, gate, up, down = mods.get("act_fn"), mods.get("gate_proj"), mods.get("up_proj"), mods.get("down_proj")
-    if not isinstance(act, EngineSiLU) or not isinstance(down, CPULinear):
-        return None
-    parts = [mlp, act, gate, up, down]
-    if isinstance(gate, FusedSlice) and isinstance(up, FusedSlice):
-        group = gate._group[0]
-        if up._group[0] is not group or (gate.member, up.member) != (0, 1) or len(group.bounds) != 3:
-            return None
-        parts += [group, group.linear]
-        engines = (group.linear._engine, None, None, down._engine)
-    elif isinstance(gate, CPULinear) and isinstance(up, CPULinear):
-        engines = (None, gate._engine, up._engine, down._engine)
-    else:
-        return None
-    if any(p._forward_hooks or p._forward_pre_hooks for p in parts):
-        return None
-    return engines
-
-
-def _moe_half(mlp: nn.Module) -> tuple[Any, ...] | None:
-    """What the block needs to run a HybridMoE whose adapter routes by a grouped router from fp32
-    logits (``MoEAdapter.decode_grouped_topk``), every routed expert in its CPU engine
-    (HybridMoE.one_token_in_engine), its router in the engine as routing.router_logits computes it
-    (a bf16 engine linear, or an fp32 weight through router_logits_f32) and its shared experts (if
-    any) an engine MLP: ``(router engine or None, fp32 weight or None, its data pointer or 0, spec,
-    fp32 bias or None, shared engines)``; None otherwise."""
-    if not isinstance(mlp, HybridMoE) or not mlp.one_token_in_engine():
-        return None
-    grouped = mlp.adapter.decode_grouped_topk(mlp)
-    gate = mlp._modules.get("gate")
-    if grouped is None or gate is None or gate._forward_hooks or gate._forward_pre_hooks:
-        return None
-    weight = gate._parameters["weight"]
-    router = engine_linear(weight, None)
-    f32 = weight if router is None and fp32_router_in_engine(weight, None) else None
-    spec, bias = grouped
-    if (router is None and f32 is None) or (bias is not None and (bias.device.type != "cpu" or bias.dim() != 1)):
-        return None
-    shared = mlp._modules.get("shared_experts")
-    engines = _NO_MLP if shared is None else _mlp_engines(shared)
-    if engines is None:
-        return None
-    # the fp32 weight's storage too: a weight replaced in place keeps the tensor, not the pointer
-    return router, f32, 0 if f32 is None else f32.data_ptr(), spec, None if bias is None else _fp32_copy(bias), engines
-
-
-def moe_in_one_call(mlp: nn.Module) -> bool:
-    """A one-token step of a latent-attention layer with this MoE block would run it inside the layer's
-    engine call as things stand (what models/paths.py reports)."""
-    return isinstance(mlp, HybridMoE) and mlp.compute_dtype == torch.bfloat16 and _moe_half(mlp) is not None
-
-
-def _set_ffn_half(layer: nn.Module, mlp: nn.Module, block: Any) -> None:
-    """Give the block the layer's second half where it can run it (csrc/decode_step.h: DecodeMoEHalf
-    or DecodeMLP; else the block ends at h_out and Python runs ``mlp``), set again only when what it
-    points to changed. An expert on a device, deferred experts, layerwise prefill and recorded
-    routing keep the MoE half in Python (HybridMoE.forward_routed does those)."""
-    moe = _moe_half(mlp)
-    if moe is not None:
-        router, f32, f32_ptr, spec, bias, shared = moe
-        key: tuple[Any, ...] | None = (block, mlp.cpu, mlp._cpu_counts, router, f32, f32_ptr, spec, bias, shared)
-    else:
-        dense = None if isinstance(mlp, HybridMoE) else _mlp_engines(mlp)
-        key = None if dense is None else (block, dense)
-    cached = layer.__dict__.get("_hetmoe_ffn_half")
-    if cached is key or (cached is not None and key is not None and len(cached) == len(key)
-                         and all(a is b or a == b for a, b in zip(cached, key, strict=True))):  # fmt: skip
-        return
-    block.set_moe(None, 0, None)
-    block.set_mlp(_NO_MLP)
-    if moe is not None:
-        cpu = mlp.cpu
-        block.set_moe(
-            router, f32_ptr, cpu._engine, cpu._mask.data_ptr(), spec.k, spec.sigmoid,
-            0 if bias is None else bias.data_ptr(), spec.n_group, spec.topk_group, spec.group_by_max,
-            spec.masked_zero, spec.normalize, spec.eps, spec.scaling, mlp._cpu_counts.data_ptr(), shared,
-        )  # fmt: skip
-    elif key is not None:
-        block.set_mlp(dense)
-    layer._hetmoe_ffn_half = key
-
-
-__all__ = ["mla_layer_eligible", "mla_parts", "moe_in_one_call", "one_token_mla"]
+__all__ = ["mla_layer_eligible", "mla_parts", "one_token_mla"]

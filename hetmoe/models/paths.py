@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
+import torch
 from torch import nn
 
 from ..runtime.cpu_linear import CPULinear
@@ -17,6 +18,7 @@ from ..runtime.hybrid import HybridMoE
 from ..runtime.torch_experts import TorchCPUExperts
 from .cpu_attention import ATTENTION_NAMES
 from .fast_decode import whole_layer_in_one_call
+from .ffn_half import mlp_in_one_call
 
 
 def layer_paths(model: nn.Module) -> list[str]:
@@ -96,4 +98,8 @@ def _mlp(layer: nn.Module) -> str:
         if getattr(layer.__dict__.get("forward"), "hetmoe_fast_decode", False) and whole_layer_in_one_call(mlp):
             return f"MoE, routed experts in the engine ({method}), routed and run in the decode step's one call"
         return f"MoE, routed experts in the engine ({method})"
+    fast = getattr(layer.__dict__.get("forward"), "hetmoe_fast_decode", False)
+    mla_bf16 = layer.__dict__.get("_hetmoe_mla") is None or layer.input_layernorm.weight.dtype == torch.bfloat16
+    if fast and mla_bf16 and mlp_in_one_call(mlp):  # (the latent-attention step is bf16 only)
+        return "dense, run in the decode step's one call"
     return "dense"
