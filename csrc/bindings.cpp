@@ -895,30 +895,34 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set_moe",
           [](DecodeAttentionBlock& b, MoEEngine* experts, uintptr_t skip_mask, int top_k, bool normalize,
-             bool round_bf16, uintptr_t counts) {
-            // The layer's MoE half (decode_step.h: DecodeMoEHalf), or none with experts None. The mask
-            // ([E] uint8) and counts ([E] int64, or 0) stay owned by Python, as the engine's own are.
+             bool round_bf16, uintptr_t counts, uintptr_t grouped_bias) {
+            // The layer's MoE half (decode_step.h: DecodeMoEHalf) routed from the block's logits, or none
+            // with experts None: by softmax top-k (routing.h: softmax_topk), or, with grouped_bias, by
+            // MiniMax-M2's router (grouped_topk on the logits taken to fp32: sigmoid, the bias [E] fp32
+            // for the choice, one group, renormalised). The mask ([E] uint8), bias and counts ([E] int64,
+            // or 0) stay owned by Python, as the engine's own are.
+            DecodeMoEHalf moe;
             if (experts) {
               if (!b.router || b.router->rows() != experts->experts())
                 throw py::value_error("DecodeAttentionBlock.set_moe: the block's router must give one logit an expert");
               if (top_k <= 0 || top_k > experts->experts())
                 throw py::value_error("DecodeAttentionBlock.set_moe: top_k must be in [1, experts]");
               if (!skip_mask) throw py::value_error("DecodeAttentionBlock.set_moe: a null skip mask");
-            }
-            DecodeMoEHalf moe;
-            if (experts) {
               moe.experts = experts;
               moe.skip_mask = reinterpret_cast<const uint8_t*>(skip_mask);
               moe.top_k = top_k;
-              moe.routing = kRouteSoftmaxTopk;
+              moe.routing = grouped_bias ? kRouteGrouped : kRouteSoftmaxTopk;
               moe.normalize = normalize;
               moe.round_bf16 = round_bf16;
+              moe.grouped.sigmoid = true;
+              moe.grouped.bias = reinterpret_cast<const float*>(grouped_bias);
+              moe.grouped.normalize = normalize;
               moe.counts = reinterpret_cast<int64_t*>(counts);
             }
             b.moe = moe;
           },
           py::arg("experts").none(true), py::arg("skip_mask") = 0, py::arg("top_k") = 0, py::arg("normalize") = false,
-          py::arg("round_bf16") = false, py::arg("counts") = 0, py::keep_alive<1, 2>());
+          py::arg("round_bf16") = false, py::arg("counts") = 0, py::arg("grouped_bias") = 0, py::keep_alive<1, 2>());
   def_ffn(attention_block);
 
   m.def(

@@ -339,11 +339,19 @@ double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void*
   ids.resize(moe.top_k);
   weights.resize(moe.top_k);
   y.resize(size_t(hidden) * elem);
-  if (moe.routing == kRouteGrouped)
-    grouped_topk(static_cast<const float*>(logits), 1, experts, moe.top_k, moe.grouped, ids.data(), weights.data());
-  else
+  if (moe.routing == kRouteGrouped) {
+    const float* l = static_cast<const float*>(logits);
+    thread_local std::vector<float> widened;
+    if (logits_dtype == kBF16Data) {  // MiniMax-M2's bf16 logits, taken to fp32 (exactly) as its router does
+      widened.resize(experts);
+      kt->bf16_to_f32(static_cast<const uint16_t*>(logits), widened.data(), int(experts));
+      l = widened.data();
+    }
+    grouped_topk(l, 1, experts, moe.top_k, moe.grouped, ids.data(), weights.data());
+  } else {
     softmax_topk(logits, logits_dtype, 1, experts, moe.top_k, moe.normalize, moe.round_bf16, ids.data(),
                  weights.data());
+  }
   const int64_t job =
       moe.experts->submit(h, dtype, 1, ids.data(), moe.top_k, weights.data(), y.data(), moe.skip_mask);
   if (moe.shared.down) {  // queued behind the experts' job on the pool, as HybridMoE computes them meanwhile

@@ -96,7 +96,8 @@ struct DecodeMLP {
 // How the MoE half routes from the router's logits (routing.h):
 enum MoERouting : int {
   kRouteSoftmaxTopk = 0,  // softmax_topk of the block's logits in its dtype (Qwen3-MoE, Mixtral, OLMoE, gpt-oss)
-  kRouteGrouped = 1,      // grouped_topk of fp32 logits (DeepSeek-V2/V3, Kimi-K2)
+  kRouteGrouped = 1,      // grouped_topk of fp32 logits (DeepSeek-V2/V3, Kimi-K2, GLM-4.x), or of the block's
+                          // logits taken to fp32 (MiniMax-M2)
 };
 
 // The rest of a decoder layer after its attention half, run by a one-call block where every routed
@@ -120,8 +121,8 @@ struct DecodeMoEHalf {
 double run_mlp_half(const KernelTable* kt, const DecodeMLP& mlp, const void* h, int dtype, int64_t hidden,
                     void* x_out);
 
-// moe for h [hidden] (dtype) routed from `logits` ([E] of logits_dtype; fp32 for kRouteGrouped), added
-// to x_out [hidden]; returns the seconds it took.
+// moe for h [hidden] (dtype) routed from `logits` ([E] of logits_dtype), added to x_out [hidden];
+// returns the seconds it took.
 double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void* logits, int logits_dtype,
                     const void* h, int dtype, int64_t hidden, void* x_out);
 

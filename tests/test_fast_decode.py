@@ -164,16 +164,16 @@ def test_model_forward_is_fast_and_bit_identical_in_generate(tiny_cache) -> None
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe", "minimax_m2"])
 def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_routing(
     tiny_cache, monkeypatch, model_type: str
 ) -> None:
     """Where the block runs the whole layer (decode_step.h's DecodeMoEHalf: Qwen3-MoE's softmax top-k
-    from the block's logits; GLM-4-MoE's grouped router and shared experts through DecodeFFN, whose
-    dense first layer runs its MLP in the block too), it adds each decode token's experts to the
-    HybridMoE's counts, as forward_routed does. Recording routing is forward_routed's work in Python,
-    so the layer's MoE half then runs there again; it routes alike, so the recorded counts equal the
-    block's, and the logits are bit-identical."""
+    and MiniMax-M2's sigmoid router from the block's logits; GLM-4-MoE's grouped router and shared
+    experts through DecodeFFN, whose dense first layer runs its MLP in the block too), it adds each
+    decode token's experts to the HybridMoE's counts, as forward_routed does. Recording routing is
+    forward_routed's work in Python, so the layer's MoE half then runs there again; it routes alike,
+    so the recorded counts equal the block's, and the logits are bit-identical."""
     import hetmoe.models.fast_decode as fast_decode
     from hetmoe import load_model
 
@@ -285,15 +285,20 @@ def test_every_family_decodes_in_one_call_bit_identical(family_models, monkeypat
     fast = _steps(model, ids, 24, fast=True)
     assert len(taken) == 24 * model.config.num_hidden_layers and all(taken)
     # The block computes the router's logits (gpt-oss's with its bias) where the adapter routes from
-    # them and the router weight is bf16. GLM-4-MoE's router takes fp32 products, so it does not;
-    # MiniMax-M2's rounds x to the weight's dtype first, so an fp32 load's logits are refused and it
-    # routes itself. Qwen3-MoE's, Mixtral's, OLMoE's and gpt-oss's bf16 blocks then route from those
-    # logits and run the experts themselves (decode_step.h's DecodeMoEHalf: the engine's softmax
-    # top-k, which route_logits calls too), so route_logits ran only for the prompt; their fp32 loads
-    # keep an fp32 router, which the block does not run.
+    # them and the router weight is bf16. GLM-4-MoE's router takes fp32 products, so it does not (its
+    # bf16 block runs the layer's MoE half from h_out instead, decode_step.h's DecodeFFN); MiniMax-M2's
+    # rounds x to the weight's dtype first, so an fp32 load's logits are refused and it routes itself.
+    # Qwen3-MoE's, Mixtral's, OLMoE's, gpt-oss's and MiniMax-M2's bf16 blocks then route from those
+    # logits and run the experts themselves (decode_step.h's DecodeMoEHalf: the engine's softmax top-k
+    # or MiniMax-M2's sigmoid router, which route_logits calls too), so route_logits ran only for the
+    # prompt (MiniMax-M2's route does not go through it); their fp32 loads keep an fp32 router, which
+    # the block does not run.
+    in_block = adapter.decode_softmax_topk(moe[0].adapter) is not None or family.startswith("minimax_m2")
     if family.startswith("glm4_moe") or (family.startswith("minimax_m2") and dtype == torch.float32):
         assert not any(from_logits)
-    elif adapter.decode_softmax_topk(moe[0].adapter) is not None and dtype == torch.bfloat16:
+    elif family.startswith("minimax_m2"):
+        assert from_logits == [], from_logits
+    elif in_block and dtype == torch.bfloat16:
         assert from_logits == [True] * len(moe), from_logits
     else:
         assert len(from_logits) >= 24 * len(moe) and all(from_logits[-24 * len(moe) :]), from_logits

@@ -48,7 +48,7 @@ from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from ..runtime.hybrid import HybridMoE
 from .adapters.base import MLAAdapter, MoEAdapter
-from .adapters.routing import engine_linear
+from .adapters.routing import _fp32_copy, engine_linear
 from .cpu_attention import ATTENTION_NAMES, attention_forward
 from .ffn_half import moe_in_one_call, set_ffn_half
 from .fused_norms import _DTYPES, norm_rows, norm_spec
@@ -498,7 +498,7 @@ def whole_layer_in_one_call(mlp: nn.Module) -> bool:
         return moe_in_one_call(mlp)
     return (
         isinstance(mlp, HybridMoE)
-        and mlp.adapter.decode_softmax_topk() is not None
+        and _logits_routing(mlp, mlp.compute_dtype) is not None
         and _router_engine(mlp) is not None
         and mlp.one_token_in_engine()
     )
@@ -512,22 +512,45 @@ def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype)
     the block ends at the logits. Set again only when what it points to changed."""
     mlp = layer._modules["mlp"]
     key = None
-    spec = mlp.adapter.decode_softmax_topk() if router is not None and isinstance(mlp, HybridMoE) else None
+    spec = _logits_routing(mlp, dtype) if router is not None else None
     if spec is not None and mlp.one_token_in_engine():
-        key = (block, mlp.cpu, mlp._cpu_counts, spec)
+        key = (block, mlp.cpu, mlp._cpu_counts, spec[3], spec[:3])  # the bias by identity
     cached = layer.__dict__.get("_hetmoe_moe_half")
     if cached is key or (
-        cached is not None and key is not None and all(map(operator.is_, cached[:3], key[:3])) and cached[3] == key[3]
+        cached is not None and key is not None and all(map(operator.is_, cached[:4], key[:4])) and cached[4] == key[4]
     ):
         return
     if key is None:
         block.set_moe(None)
     else:
-        k, normalize, rounded = spec
+        k, normalize, rounded, bias = spec
         cpu, counts = mlp.cpu, mlp._cpu_counts
         block.set_moe(cpu._engine, cpu._mask.data_ptr(), k, normalize, rounded and dtype == torch.bfloat16,
-                      counts.data_ptr())  # fmt: skip
+                      counts.data_ptr(), 0 if bias is None else bias.data_ptr())  # fmt: skip
     layer._hetmoe_moe_half = key
+
+
+def _logits_routing(mlp: nn.Module, dtype: torch.dtype) -> tuple[int, bool, bool, torch.Tensor | None] | None:
+    """``(k, normalize, round, bias)`` where the HybridMoE routes from the block's logits as the engine's
+    MoE half can: softmax top-k (``decode_softmax_topk``; bias None), or MiniMax-M2's sigmoid router
+    (``decode_logits_grouped``: one group, renormalised, unscaled; its bias in fp32, the copy the
+    adapter's routing reads too, routing._fp32_copy) on logits of its router's dtype. Else None."""
+    if not isinstance(mlp, HybridMoE):
+        return None
+    softmax = mlp.adapter.decode_softmax_topk()
+    if softmax is not None:
+        return (*softmax, None)
+    grouped = mlp.adapter.decode_logits_grouped(mlp)
+    if grouped is None:
+        return None
+    spec, bias = grouped
+    plain = spec.sigmoid and spec.n_group == 1 and spec.eps == 0 and spec.scaling == 1
+    gate = mlp._modules.get("gate")
+    if not plain or gate is None or gate._parameters["weight"].dtype != dtype:
+        return None
+    if bias.device.type != "cpu" or bias.shape != (mlp.cpu.experts,):
+        return None
+    return spec.k, spec.normalize, False, _fp32_copy(bias)
 
 
 def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:

@@ -141,6 +141,13 @@ class MoEAdapter(ABC):
         without a return to Python (models/fast_decode.py). None otherwise."""
         return None
 
+    def decode_logits_grouped(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor] | None:
+        """``(spec, bias)`` where ``route_logits`` routes the block's logits as ``grouped_topk(
+        logits.float(), spec, bias)`` with sigmoid scores in one group, renormalised, unscaled
+        (MiniMax-M2): the one-call decode layer then routes in the engine and runs the experts there
+        too (models/fast_decode.py). None otherwise."""
+        return None
+
     def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None] | None:
         """The grouped router (routing.py's ``GroupedTopk``, and the block's correction bias or None)
         ``route`` applies to the fp32 logits ``router_logits(x, block.gate.weight, fp32=True)``, where
