@@ -139,6 +139,23 @@ def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_rou
         assert torch.equal(a, b)
 
 
+def test_moe_half_follows_replaced_counts(mla_models) -> None:
+    """The block increments the HybridMoE's counts through a pointer: after the tensor is replaced
+    (HybridMoE.attach makes a new one), the next steps count into the new tensor, and decode the same."""
+    from hetmoe import load_model
+    from hetmoe.runtime.hybrid import HybridMoE
+
+    model = load_model(mla_models["deepseek_v3"])
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(7))
+    before = _greedy(model, ids, 4, fast=True)
+    moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
+    for m in moe:
+        m._cpu_counts = torch.zeros_like(m.cpu_counts)  # (reading cpu_counts adds the ones held back)
+    after = _greedy(model, ids, 4, fast=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(int(m.cpu_counts.sum()) == (5 + 4) * model.config.num_experts_per_tok for m in moe)
+
+
 def test_the_cache_holds_only_latent_rows(mla_models) -> None:
     """After the prompt and the one-call steps, each layer's cache is the latent rows alone: rank + rope
     values a token (keys) and zero-wide values, as hetmoe plan states."""

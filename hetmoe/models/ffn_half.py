@@ -92,6 +92,11 @@ def mlp_in_one_call(mlp: nn.Module | None) -> bool:
     return mlp is not None and not isinstance(mlp, HybridMoE) and _mlp_engines(mlp) is not None
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Tensors (counts, weights, biases) by identity, the rest (spec, pointers, engine tuples) by value."""
+    return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
+
+
 def set_ffn_half(layer: nn.Module, mlp: nn.Module, block: Any) -> None:
     """Give a one-call block (DecodeAttentionBlock or DecodeMLABlock) the layer's second half where it
     can run it (csrc/decode_step.h: DecodeFFN; else the block ends at h_out and Python runs ``mlp``),
@@ -107,7 +112,7 @@ def set_ffn_half(layer: nn.Module, mlp: nn.Module, block: Any) -> None:
         key = None if dense is None else (block, dense)
     cached = layer.__dict__.get("_hetmoe_ffn_half")
     if cached is key or (cached is not None and key is not None and len(cached) == len(key)
-                         and all(a is b or a == b for a, b in zip(cached, key, strict=True))):  # fmt: skip
+                         and all(map(_same, cached, key))):  # fmt: skip
         return
     block.set_ffn_moe(None, 0, None)
     block.set_ffn_mlp(_NO_MLP)
