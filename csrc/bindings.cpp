@@ -895,14 +895,18 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set_moe",
           [](DecodeAttentionBlock& b, MoEEngine* experts, uintptr_t skip_mask, int top_k, bool normalize,
-             bool round_bf16, uintptr_t counts, uintptr_t grouped_bias) {
+             bool round_bf16, uintptr_t counts, uintptr_t grouped_bias, const py::tuple& shared,
+             LinearEngine* shared_gate) {
             // The layer's MoE half (decode_step.h: DecodeMoEHalf) routed from the block's logits, or none
             // with experts None: by softmax top-k (routing.h: softmax_topk), or, with grouped_bias, by
             // MiniMax-M2's router (grouped_topk on the logits taken to fp32: sigmoid, the bias [E] fp32
             // for the choice, one group, renormalised). The mask ([E] uint8), bias and counts ([E] int64,
-            // or 0) stay owned by Python, as the engine's own are.
+            // or 0) stay owned by Python, as the engine's own are. shared: the shared experts' MLP (all
+            // None: none), shared_gate their sigmoid gate ([hidden] -> [1], or None).
             DecodeMoEHalf moe;
             if (experts) {
+              if (shared_gate && (shared_gate->rows() != 1 || shared_gate->cols() != b.hidden))
+                throw py::value_error("DecodeAttentionBlock.set_moe: shared_gate must map hidden to one value");
               if (!b.router || b.router->rows() != experts->experts())
                 throw py::value_error("DecodeAttentionBlock.set_moe: the block's router must give one logit an expert");
               if (top_k <= 0 || top_k > experts->experts())
@@ -918,11 +922,16 @@ PYBIND11_MODULE(_C, m) {
               moe.grouped.bias = reinterpret_cast<const float*>(grouped_bias);
               moe.grouped.normalize = normalize;
               moe.counts = reinterpret_cast<int64_t*>(counts);
+              moe.shared = mlp_from(shared, b.hidden, "DecodeAttentionBlock.set_moe: shared");
+              moe.shared_gate = moe.shared.down ? shared_gate : nullptr;
             }
             b.moe = moe;
           },
           py::arg("experts").none(true), py::arg("skip_mask") = 0, py::arg("top_k") = 0, py::arg("normalize") = false,
-          py::arg("round_bf16") = false, py::arg("counts") = 0, py::arg("grouped_bias") = 0, py::keep_alive<1, 2>());
+          py::arg("round_bf16") = false, py::arg("counts") = 0, py::arg("grouped_bias") = 0,
+          py::arg("shared") = py::make_tuple(py::none(), py::none(), py::none(), py::none()),
+          py::arg("shared_gate").none(true) = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 9>(),
+          py::keep_alive<1, 10>());
   def_ffn(attention_block);
 
   m.def(
@@ -1094,9 +1103,20 @@ PYBIND11_MODULE(_C, m) {
   def_ffn(mla_block);
 
   m.def(
+      "sigmoid_rounded",
+      [](uintptr_t x, int dtype, int64_t n, uintptr_t out) {
+        // decode_step.h; tensors checked in Python (hetmoe/runtime/engine_activations.py)
+        if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("sigmoid_rounded: dtype must be 0 or 1");
+        if (n < 0 || !x || !out) throw py::value_error("sigmoid_rounded: needs n >= 0 and two buffers");
+        py::gil_scoped_release release;
+        sigmoid_rounded(reinterpret_cast<const void*>(x), dtype, n, reinterpret_cast<void*>(out));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("out"));
+
+  m.def(
       "silu_rounded",
       [](uintptr_t x, int dtype, int64_t n, uintptr_t out) {
-        // decode_step.h; tensors checked in Python (hetmoe/runtime/engine_silu.py)
+        // decode_step.h; tensors checked in Python (hetmoe/runtime/engine_activations.py)
         if (!g_selected) throw py::value_error("select_isa() must be called first");
         if (dtype != kF32 && dtype != kBF16Data) throw py::value_error("silu_rounded: dtype must be 0 or 1");
         if (n < 0 || !x || !out) throw py::value_error("silu_rounded: needs n >= 0 and two buffers");

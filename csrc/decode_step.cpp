@@ -277,6 +277,17 @@ void silu_rounded(const KernelTable* kt, const void* x, int dtype, int64_t n, vo
   }
 }
 
+void sigmoid_rounded(const void* x, int dtype, int64_t n, void* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (dtype == kBF16Data) {
+      const float g = engine::bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
+      static_cast<uint16_t*>(out)[i] = engine::f32_to_bf16(1.f / (1.f + std::exp(-g)));
+    } else {
+      static_cast<float*>(out)[i] = 1.f / (1.f + std::exp(-static_cast<const float*>(x)[i]));
+    }
+  }
+}
+
 void DecodeMLP::run(const KernelTable* kt, const void* h, int dtype, void* out) const {
   const size_t elem = dtype == kBF16Data ? 2 : 4;
   const int64_t n = inter();
@@ -364,6 +375,26 @@ double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void*
     }
   }
   moe.experts->wait(job);
+  if (moe.shared.down && moe.shared_gate) {  // s *= sigmoid(gate(h)), the gate's logit rounded to the dtype
+    thread_local std::vector<float> hf;
+    hf.resize(hidden);
+    if (dtype == kBF16Data)
+      kt->bf16_to_f32(static_cast<const uint16_t*>(h), hf.data(), int(hidden));
+    else
+      std::memcpy(hf.data(), h, size_t(hidden) * sizeof(float));
+    float logit = 0;
+    linear_row(moe.shared_gate, hf.data(), kF32, &logit, kF32);
+    uint8_t g[4], sg[4];  // one value of the dtype
+    if (dtype == kBF16Data)
+      *reinterpret_cast<uint16_t*>(g) = engine::f32_to_bf16(logit);
+    else
+      std::memcpy(g, &logit, sizeof logit);
+    sigmoid_rounded(g, dtype, 1, sg);
+    thread_local std::vector<uint8_t> gate_row;
+    gate_row.resize(size_t(hidden) * elem);
+    for (int64_t i = 0; i < hidden; ++i) std::memcpy(gate_row.data() + i * elem, sg, elem);  // broadcast
+    combine(kt, s.data(), gate_row.data(), dtype, hidden, s.data(), [](float a, float b) { return a * b; });
+  }
   const auto add = [](float a, float b) { return a + b; };
   if (moe.shared.down) combine(kt, y.data(), s.data(), dtype, hidden, y.data(), add);  // routed + shared
   combine(kt, x_out, y.data(), dtype, hidden, x_out, add);  // the residual, as torch adds them

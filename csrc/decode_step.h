@@ -77,8 +77,11 @@ void residual_post_norm(const KernelTable* kt, const void* x, const void* o, int
 
 // silu(x) over n values of `dtype`, rounded to the dtype: the engine's vectorised silu (kernels.h:
 // silu_mul), what hetmoe's SiLU stands in for transformers' in the MLPs on the engine
-// (hetmoe/runtime/engine_silu.py), so that the one-call layer below and a module's forward agree.
+// (hetmoe/runtime/engine_activations.py), so that the one-call layer below and a module's forward agree.
 void silu_rounded(const KernelTable* kt, const void* x, int dtype, int64_t n, void* out);
+// sigmoid(x) = 1 / (1 + exp(-x)) in fp32 over n values of `dtype`, rounded to the dtype: what a gated
+// shared expert's gate takes in both paths (models/adapters/qwen2_moe.py: gated_shared_expert).
+void sigmoid_rounded(const void* x, int dtype, int64_t n, void* out);
 
 // A dense SwiGLU MLP for one row as transformers' MLP modules compute it in the dtype, each of its
 // linears in the engine: down(silu(gate(h)) * up(h)), silu as silu_rounded, the product as torch
@@ -115,6 +118,10 @@ struct DecodeMoEHalf {
   GroupedTopk grouped;                         // grouped_topk's (its bias owned by Python)
   int64_t* counts = nullptr;  // tokens each expert took [E] (HybridMoE's counts), incremented; or nullptr
   DecodeMLP shared;           // the shared experts, or none (down nullptr)
+  // Qwen2-MoE's and Qwen3-Next's gate on the shared experts: a bf16 engine linear [hidden] fp32 ->
+  // [1] fp32 (routing.py's router_logits on an fp32 copy of h, rounded to the dtype), whose
+  // sigmoid_rounded multiplies their output as torch multiplies two tensors of the dtype; or nullptr
+  LinearEngine* shared_gate = nullptr;
 };
 
 // x_out [hidden] += mlp(h [hidden]) as torch adds them, both in dtype; returns the seconds it took.

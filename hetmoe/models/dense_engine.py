@@ -29,7 +29,7 @@ from torch import nn
 from ..formats import QuantizedTensor, get_codec
 from ..runtime.cpu_experts import ENGINE_METHODS
 from ..runtime.cpu_linear import CPULinear, check_method, quantize_weight, unsupported_reason
-from ..runtime.engine_silu import install_engine_silu
+from ..runtime.engine_activations import install_engine_activations
 from ..runtime.fused_linears import fuse_siblings
 from ..runtime.gguf_transcode import native_id
 
@@ -147,7 +147,7 @@ class DenseConverter:
             fused = fuse_siblings(model)
             if fused:
                 notes.append(f"dense layers: {fused} sets of sibling projections (q/k/v, gate/up) run as one call each")
-        install_engine_silu(model)  # after the fusing: the MLPs' gate/up are then fused slices
+        install_engine_activations(model)  # after the fusing: the MLPs' gate/up are then fused slices
         if self.skipped:
             first = next(iter(self.skipped.items()))
             notes.append(

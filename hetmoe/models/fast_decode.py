@@ -50,7 +50,7 @@ from ..runtime.hybrid import HybridMoE
 from .adapters.base import MLAAdapter, MoEAdapter
 from .adapters.routing import _fp32_copy, engine_linear
 from .cpu_attention import ATTENTION_NAMES, attention_forward
-from .ffn_half import moe_in_one_call, set_ffn_half
+from .ffn_half import NO_MLP, mlp_engines, moe_in_one_call, set_ffn_half
 from .fused_norms import _DTYPES, norm_rows, norm_spec
 from .fused_norms import _fused_forward as fused_norm
 from .fused_rope import rope
@@ -514,32 +514,52 @@ def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype)
     key = None
     spec = _logits_routing(mlp, dtype) if router is not None else None
     if spec is not None and mlp.one_token_in_engine():
-        key = (block, mlp.cpu, mlp._cpu_counts, spec[3], spec[:3])  # the bias by identity
+        key = (block, mlp.cpu, mlp._cpu_counts, spec[3], spec[:3], *spec[4:])  # tensors by identity
     cached = layer.__dict__.get("_hetmoe_moe_half")
     if cached is key or (
-        cached is not None and key is not None and all(map(operator.is_, cached[:4], key[:4])) and cached[4] == key[4]
+        cached is not None and key is not None and all(map(operator.is_, cached[:4], key[:4])) and cached[4:] == key[4:]
     ):
         return
     if key is None:
         block.set_moe(None)
     else:
-        k, normalize, rounded, bias = spec
+        k, normalize, rounded, bias, shared, gate = spec
         cpu, counts = mlp.cpu, mlp._cpu_counts
         block.set_moe(cpu._engine, cpu._mask.data_ptr(), k, normalize, rounded and dtype == torch.bfloat16,
-                      counts.data_ptr(), 0 if bias is None else bias.data_ptr())  # fmt: skip
+                      counts.data_ptr(), 0 if bias is None else bias.data_ptr(), shared, gate)  # fmt: skip
     layer._hetmoe_moe_half = key
 
 
-def _logits_routing(mlp: nn.Module, dtype: torch.dtype) -> tuple[int, bool, bool, torch.Tensor | None] | None:
-    """``(k, normalize, round, bias)`` where the HybridMoE routes from the block's logits as the engine's
-    MoE half can: softmax top-k (``decode_softmax_topk``; bias None), or MiniMax-M2's sigmoid router
-    (``decode_logits_grouped``: one group, renormalised, unscaled; its bias in fp32, the copy the
-    adapter's routing reads too, routing._fp32_copy) on logits of its router's dtype. Else None."""
+def _shared_engines(mlp: HybridMoE) -> tuple[tuple[Any, ...], Any] | None:
+    """``(MLP engines, gate engine or None)`` of the shared experts ``decode_shared`` names, ffn_half's
+    NO_MLP where there are none; None where they do not run in the engine as the module path runs
+    them (the gate a bf16 router in the engine, routing.engine_linear, as gated_shared_expert takes it)."""
+    named = mlp.adapter.decode_shared(mlp)
+    if named is None:
+        return NO_MLP, None
+    shared, gate = named
+    engines = mlp_engines(shared)
+    if engines is None:
+        return None
+    if gate is None:
+        return engines, None
+    linear = engine_linear(gate.weight, getattr(gate, "bias", None))
+    return None if linear is None else (engines, linear._engine)
+
+
+def _logits_routing(mlp: nn.Module, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """``(k, normalize, round, bias, shared engines, shared gate engine)`` where the HybridMoE routes
+    from the block's logits as the engine's MoE half can: softmax top-k (``decode_softmax_topk``; bias
+    None; the shared experts ``decode_shared`` names, in the engine: ``_shared_engines``), or
+    MiniMax-M2's sigmoid router (``decode_logits_grouped``: one group, renormalised, unscaled; its
+    bias in fp32, the copy the adapter's routing reads too, routing._fp32_copy) on logits of its
+    router's dtype. Else None."""
     if not isinstance(mlp, HybridMoE):
         return None
     softmax = mlp.adapter.decode_softmax_topk()
     if softmax is not None:
-        return (*softmax, None)
+        shared = _shared_engines(mlp)
+        return None if shared is None else (*softmax, None, *shared)
     grouped = mlp.adapter.decode_logits_grouped(mlp)
     if grouped is None:
         return None
@@ -550,7 +570,7 @@ def _logits_routing(mlp: nn.Module, dtype: torch.dtype) -> tuple[int, bool, bool
         return None
     if bias.device.type != "cpu" or bias.shape != (mlp.cpu.experts,):
         return None
-    return spec.k, spec.normalize, False, _fp32_copy(bias)
+    return spec.k, spec.normalize, False, _fp32_copy(bias), NO_MLP, None
 
 
 def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ Python: a dense layer's SwiGLU MLP (``DecodeMLP``), or a MoE block routed by a g
 (DeepSeek-V2/V3, Kimi-K2, GLM-4.x: ``MoEAdapter.decode_grouped_topk``) from fp32 logits, its routed
 experts in the CPU engine and its shared experts an engine MLP. Everything it calls is what the
 module-by-module forward calls (the adapters' routing is the engine's, routing.py; the engine MLPs'
-activation is runtime/engine_silu.py's), so the two give the same values; tests/test_mla_decode.py and
+activation is runtime/engine_activations.py's), so the two give the same values; tests/test_mla_decode.py and
 tests/test_fast_decode.py hold them bit-identical.
 """
 
@@ -18,18 +18,18 @@ import torch
 from torch import nn
 
 from ..runtime.cpu_linear import CPULinear
-from ..runtime.engine_silu import EngineSiLU
+from ..runtime.engine_activations import EngineSiLU
 from ..runtime.fused_linears import FusedSlice
 from ..runtime.hybrid import HybridMoE
 from .adapters.base import MLAAdapter
 from .adapters.routing import _fp32_copy, engine_linear, fp32_router_in_engine
 
-_NO_MLP = (None, None, None, None)
+NO_MLP = (None, None, None, None)
 
 
-def _mlp_engines(mlp: nn.Module) -> tuple[Any, Any, Any, Any] | None:
+def mlp_engines(mlp: nn.Module) -> tuple[Any, Any, Any, Any] | None:
     """``(gate_up, gate, up, down)`` engines of a SwiGLU MLP whose linears run in the engine (gate and
-    up fused or apart) and whose activation is the engine's (runtime/engine_silu.py), nothing hooked:
+    up fused or apart) and whose activation is the engine's (runtime/engine_activations.py), nothing hooked:
     csrc/decode_step.h's DecodeMLP computes it with the same calls. None otherwise."""
     mods = mlp._modules
     act, gate, up, down = mods.get("act_fn"), mods.get("gate_proj"), mods.get("up_proj"), mods.get("down_proj")
@@ -71,7 +71,7 @@ def _moe_half(mlp: nn.Module) -> tuple[Any, ...] | None:
     if (router is None and f32 is None) or (bias is not None and (bias.device.type != "cpu" or bias.dim() != 1)):
         return None
     shared = mlp._modules.get("shared_experts")
-    engines = _NO_MLP if shared is None else _mlp_engines(shared)
+    engines = NO_MLP if shared is None else mlp_engines(shared)
     if engines is None:
         return None
     # the fp32 weight's storage too: a weight replaced in place keeps the tensor, not the pointer
@@ -89,7 +89,7 @@ def moe_in_one_call(mlp: nn.Module) -> bool:
 def mlp_in_one_call(mlp: nn.Module | None) -> bool:
     """A dense MLP a one-call block would run inside the layer's engine call (what models/paths.py
     reports)."""
-    return mlp is not None and not isinstance(mlp, HybridMoE) and _mlp_engines(mlp) is not None
+    return mlp is not None and not isinstance(mlp, HybridMoE) and mlp_engines(mlp) is not None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -108,14 +108,14 @@ def set_ffn_half(layer: nn.Module, mlp: nn.Module, block: Any) -> None:
         router, f32, f32_ptr, spec, bias, shared = moe
         key: tuple[Any, ...] | None = (block, mlp.cpu, mlp._cpu_counts, router, f32, f32_ptr, spec, bias, shared)
     else:
-        dense = None if isinstance(mlp, HybridMoE) else _mlp_engines(mlp)
+        dense = None if isinstance(mlp, HybridMoE) else mlp_engines(mlp)
         key = None if dense is None else (block, dense)
     cached = layer.__dict__.get("_hetmoe_ffn_half")
     if cached is key or (cached is not None and key is not None and len(cached) == len(key)
                          and all(map(_same, cached, key))):  # fmt: skip
         return
     block.set_ffn_moe(None, 0, None)
-    block.set_ffn_mlp(_NO_MLP)
+    block.set_ffn_mlp(NO_MLP)
     if moe is not None:
         cpu = mlp.cpu
         block.set_ffn_moe(
@@ -128,4 +128,4 @@ def set_ffn_half(layer: nn.Module, mlp: nn.Module, block: Any) -> None:
     layer._hetmoe_ffn_half = key
 
 
-__all__ = ["mlp_in_one_call", "moe_in_one_call", "set_ffn_half"]
+__all__ = ["NO_MLP", "mlp_engines", "mlp_in_one_call", "moe_in_one_call", "set_ffn_half"]

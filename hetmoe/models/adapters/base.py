@@ -136,9 +136,15 @@ class MoEAdapter(ABC):
     def decode_softmax_topk(self) -> tuple[int, bool, bool] | None:
         """``(k, normalize, round)`` where ``route_logits`` routes as ``softmax_topk(logits, k,
         normalize, logits.dtype if round else None)`` (routing.py; gpt-oss's ``topk_softmax`` is that
-        with normalize) and the block has no shared experts: the
-        one-call decode layer then routes in the engine and runs the experts there too, the layer
+        with normalize) and the block's shared experts, if any, are those ``decode_shared`` names:
+        the one-call decode layer then routes in the engine and runs the experts there too, the layer
         without a return to Python (models/fast_decode.py). None otherwise."""
+        return None
+
+    def decode_shared(self, block: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
+        """The shared experts ``shared`` computes, for the one-call decode layer: ``(mlp, gate)``, a
+        SwiGLU MLP module and the linear whose sigmoid scales its output (Qwen2-MoE, Qwen3-Next:
+        qwen2_moe.gated_shared_expert) or None; None where the block has none that way."""
         return None
 
     def decode_logits_grouped(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor] | None:

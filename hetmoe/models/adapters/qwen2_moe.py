@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ...runtime.engine_activations import engine_sigmoid
 from ..gguf_names import DENSE_MLP, NORMS, QKV, QWEN2_SHARED, ROUTER, GGUFConfig
 from .base import MoEAdapter
 from .routing import router_logits, softmax_topk
@@ -19,8 +19,12 @@ if TYPE_CHECKING:
 
 
 def gated_shared_expert(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(shared_expert_gate(x)) * shared_expert(x)``, the Qwen2-MoE / Qwen3-Next form."""
-    return F.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    """``sigmoid(shared_expert_gate(x)) * shared_expert(x)``, the Qwen2-MoE / Qwen3-Next form. The
+    gate's logit as routing.py's router_logits computes a router's (in the engine on the CPU), its
+    sigmoid the engine's there (runtime/engine_activations.py): what the one-call decode layer
+    computes (csrc/decode_step.h: DecodeMoEHalf::shared_gate)."""
+    gate = block.shared_expert_gate
+    return engine_sigmoid(router_logits(x, gate.weight, gate.bias)) * block.shared_expert(x)
 
 
 class Qwen2MoeAdapter(MoEAdapter):
@@ -40,6 +44,12 @@ class Qwen2MoeAdapter(MoEAdapter):
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return gated_shared_expert(block, x)
+
+    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
+        return self.top_k(), bool(self.config.norm_topk_prob), True
+
+    def decode_shared(self, block: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+        return block.shared_expert, block.shared_expert_gate
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

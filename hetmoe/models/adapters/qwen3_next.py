@@ -41,6 +41,12 @@ class Qwen3NextAdapter(MoEAdapter):
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return gated_shared_expert(block, x)
 
+    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
+        return self.top_k(), bool(self.config.norm_topk_prob), True
+
+    def decode_shared(self, block: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+        return block.shared_expert, block.shared_expert_gate
+
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------
 

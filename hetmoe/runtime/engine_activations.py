@@ -1,4 +1,5 @@
-"""SiLU in the CPU engine for the MLPs whose linears run there (dense layers, shared experts).
+"""SiLU and sigmoid in the CPU engine, for the MLPs whose linears run there (dense layers, shared
+experts) and the sigmoid gate on Qwen2-MoE's and Qwen3-Next's shared experts.
 
 A one-call decode layer (csrc/decode_step.h: DecodeMLP, run by models/mla_decode.py's step) computes
 a dense MLP's ``down(silu(gate(h)) * up(h))`` in C++ with the engine's vectorised silu. The same MLP
@@ -37,6 +38,23 @@ class EngineSiLU(nn.Module):
         return out
 
 
+def engine_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` in fp32 rounded to x's dtype by the engine (csrc/decode_step.h:
+    sigmoid_rounded), as the one-call decode layer takes it, on CPU bf16/fp32 inputs without
+    autograd; elsewhere torch's."""
+    code = _DTYPES.get(x.dtype)
+    if code is None or x.device.type != "cpu" or not x.numel() or (torch.is_grad_enabled() and x.requires_grad):
+        return torch.sigmoid(x)
+    try:
+        engine = engine_module()
+    except EngineUnavailableError:
+        return torch.sigmoid(x)
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    engine.sigmoid_rounded(src.data_ptr(), code, src.numel(), out.data_ptr())
+    return out
+
+
 def _engine_linear(mod: nn.Module | None) -> bool:
     from .cpu_linear import CPULinear
     from .fused_linears import FusedSlice
@@ -44,7 +62,7 @@ def _engine_linear(mod: nn.Module | None) -> bool:
     return isinstance(mod, CPULinear | FusedSlice)
 
 
-def install_engine_silu(model: nn.Module) -> int:
+def install_engine_activations(model: nn.Module) -> int:
     """Give every SwiGLU MLP whose gate, up and down projections run in the engine (CPULinear or a
     fused slice of one) and whose activation is transformers' SiLU an ``EngineSiLU``; returns how many."""
     count = 0
