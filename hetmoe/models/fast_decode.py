@@ -629,14 +629,8 @@ def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_emb
     )
     layer_cache.commit(1)
     if moe_seconds:  # the block ran the layer's second half too: x_out is the layer's output
-        if not isinstance(mlp, HybridMoE):  # a dense MLP
-            return x_out
-        t = mlp.stats.timing
-        t.calls += 1
-        t.tokens += 1
-        t.moe_s += moe_seconds
-        t.cpu_s += moe_seconds
-        t.wait_s += moe_seconds  # the caller waited for all of it
+        if isinstance(mlp, HybridMoE):  # (else a dense MLP)
+            mlp.count_block_step(moe_seconds)
         return x_out
     routed = None if logits is None else mlp.adapter.route_logits(mlp, logits)
     if routed is None:  # no logits, or the adapter does not route from these after all

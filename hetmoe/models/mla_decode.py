@@ -220,12 +220,7 @@ def one_token_mla(
     layer_cache.commit(1)
     if ffn_seconds:  # the block ran the layer's second half too: x_out is the layer's output
         if isinstance(mlp, HybridMoE):
-            t = mlp.stats.timing
-            t.calls += 1
-            t.tokens += 1
-            t.moe_s += ffn_seconds
-            t.cpu_s += ffn_seconds
-            t.wait_s += ffn_seconds  # the caller waited for all of it
+            mlp.count_block_step(ffn_seconds)
         return x_out
     out = mlp(h_out)
     return x_out + (out[0] if layer.__dict__["_hetmoe_router_scores"] else out)

@@ -11,6 +11,8 @@ two of exact, not equal). Elsewhere (a device, autograd) torch's silu.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,39 +22,34 @@ from ..kernels.dispatch import EngineUnavailableError, engine_module
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc: kF32, kBF16Data
 
 
+def _in_engine(x: torch.Tensor, function: str, fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The engine's elementwise ``function`` (csrc/decode_step.h) of x, rounded to x's dtype, where it
+    runs x (CPU bf16/fp32 without autograd); elsewhere ``fallback``, torch's."""
+    code = _DTYPES.get(x.dtype)
+    if code is None or x.device.type != "cpu" or not x.numel() or (torch.is_grad_enabled() and x.requires_grad):
+        return fallback(x)
+    try:
+        engine = engine_module()
+    except EngineUnavailableError:
+        return fallback(x)
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    getattr(engine, function)(src.data_ptr(), code, src.numel(), out.data_ptr())
+    return out
+
+
 class EngineSiLU(nn.Module):
     """``silu(x)`` rounded to x's dtype by the engine (csrc/decode_step.h: silu_rounded) where it
     runs x, else torch's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        code = _DTYPES.get(x.dtype)
-        if code is None or x.device.type != "cpu" or not x.numel() or (torch.is_grad_enabled() and x.requires_grad):
-            return F.silu(x)
-        try:
-            engine = engine_module()
-        except EngineUnavailableError:
-            return F.silu(x)
-        src = x.contiguous()
-        out = torch.empty_like(src)
-        engine.silu_rounded(src.data_ptr(), code, src.numel(), out.data_ptr())
-        return out
+        return _in_engine(x, "silu_rounded", F.silu)
 
 
 def engine_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``sigmoid(x)`` in fp32 rounded to x's dtype by the engine (csrc/decode_step.h:
-    sigmoid_rounded), as the one-call decode layer takes it, on CPU bf16/fp32 inputs without
-    autograd; elsewhere torch's."""
-    code = _DTYPES.get(x.dtype)
-    if code is None or x.device.type != "cpu" or not x.numel() or (torch.is_grad_enabled() and x.requires_grad):
-        return torch.sigmoid(x)
-    try:
-        engine = engine_module()
-    except EngineUnavailableError:
-        return torch.sigmoid(x)
-    src = x.contiguous()
-    out = torch.empty_like(src)
-    engine.sigmoid_rounded(src.data_ptr(), code, src.numel(), out.data_ptr())
-    return out
+    sigmoid_rounded), as the one-call decode layer takes it, where it runs x; elsewhere torch's."""
+    return _in_engine(x, "sigmoid_rounded", torch.sigmoid)
 
 
 def _engine_linear(mod: nn.Module | None) -> bool:

@@ -176,6 +176,16 @@ class HybridMoE(nn.Module):
             and not self.stats.record_routing
         )
 
+    def count_block_step(self, seconds: float) -> None:
+        """Count a one-token forward of this block that a one-call decode block ran inside its engine
+        call (``seconds`` long), as forward_routed counts its own; the caller waited for all of it."""
+        t = self.stats.timing
+        t.calls += 1
+        t.tokens += 1
+        t.moe_s += seconds
+        t.cpu_s += seconds
+        t.wait_s += seconds
+
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
