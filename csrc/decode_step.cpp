@@ -384,16 +384,16 @@ double run_moe_half(const KernelTable* kt, const DecodeMoEHalf& moe, const void*
       std::memcpy(hf.data(), h, size_t(hidden) * sizeof(float));
     float logit = 0;
     linear_row(moe.shared_gate, hf.data(), kF32, &logit, kF32);
-    uint8_t g[4], sg[4];  // one value of the dtype
-    if (dtype == kBF16Data)
-      *reinterpret_cast<uint16_t*>(g) = engine::f32_to_bf16(logit);
-    else
-      std::memcpy(g, &logit, sizeof logit);
-    sigmoid_rounded(g, dtype, 1, sg);
-    thread_local std::vector<uint8_t> gate_row;
-    gate_row.resize(size_t(hidden) * elem);
-    for (int64_t i = 0; i < hidden; ++i) std::memcpy(gate_row.data() + i * elem, sg, elem);  // broadcast
-    combine(kt, s.data(), gate_row.data(), dtype, hidden, s.data(), [](float a, float b) { return a * b; });
+    float sig;  // the sigmoid of the logit rounded to the dtype, as torch has it in a tensor of the dtype
+    if (dtype == kBF16Data) {
+      const uint16_t g = engine::f32_to_bf16(logit);
+      uint16_t rounded;
+      sigmoid_rounded(&g, dtype, 1, &rounded);
+      sig = engine::bf16_to_f32(rounded);
+    } else {
+      sigmoid_rounded(&logit, dtype, 1, &sig);
+    }
+    combine(kt, s.data(), s.data(), dtype, hidden, s.data(), [sig](float a, float) { return a * sig; });
   }
   const auto add = [](float a, float b) { return a + b; };
   if (moe.shared.down) combine(kt, y.data(), s.data(), dtype, hidden, y.data(), add);  // routed + shared
