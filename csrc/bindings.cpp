@@ -154,6 +154,29 @@ DecodeMLP mlp_from(const py::tuple& t, int64_t hidden, const std::string& what) 
   return m;
 }
 
+// A grouped router's spec (routing.h: GroupedTopk) from its Python fields, checked against its
+// `experts` and `k` (`what` names the caller in the message).
+GroupedTopk grouped_from(int64_t experts, int k, bool sigmoid, uintptr_t bias, int n_group, int topk_group,
+                         bool group_by_max, bool masked_zero, bool normalize, double eps, double scaling,
+                         const std::string& what) {
+  if (experts <= 0 || k <= 0 || k > experts) throw py::value_error(what + ": needs 1 <= k <= experts");
+  if (n_group <= 0 || experts % n_group || topk_group <= 0 || topk_group > n_group)
+    throw py::value_error(what + ": n_group must divide the experts and 1 <= topk_group <= n_group");
+  if (topk_group < n_group && !group_by_max && experts / n_group < 2)
+    throw py::value_error(what + ": a group scored by its two largest needs two experts");
+  GroupedTopk spec;
+  spec.sigmoid = sigmoid;
+  spec.bias = reinterpret_cast<const float*>(bias);
+  spec.n_group = n_group;
+  spec.topk_group = topk_group;
+  spec.group_by_max = group_by_max;
+  spec.masked_zero = masked_zero;
+  spec.normalize = normalize;
+  spec.eps = eps;
+  spec.scaling = scaling;
+  return spec;
+}
+
 // A one-call block's DecodeFFN (decode_step.h), set from Python (hetmoe/models/ffn_half.py) on either
 // block: set_ffn_moe gives it a MoE block routed by grouped_topk (routing.h) from its router's fp32
 // logits, or clears it with experts None; set_ffn_mlp gives it a dense MLP (all None: none). The
@@ -178,25 +201,14 @@ void def_ffn(py::class_<Block>& cls) {
                b.hidden % 16)
              throw py::value_error("set_ffn_moe: one router (an engine linear or an fp32 weight) must map hidden (a "
                                    "multiple of 16) to one logit an expert");
-           if (top_k <= 0 || top_k > E) throw py::value_error("set_ffn_moe: top_k must be in [1, experts]");
-           if (n_group <= 0 || E % n_group || topk_group <= 0 || topk_group > n_group ||
-               (topk_group < n_group && !group_by_max && E / n_group < 2))
-             throw py::value_error("set_ffn_moe: groups as grouped_topk takes them");
            if (!skip_mask) throw py::value_error("set_ffn_moe: a null skip mask");
            DecodeMoEHalf moe;
            moe.experts = experts;
            moe.skip_mask = reinterpret_cast<const uint8_t*>(skip_mask);
            moe.top_k = top_k;
            moe.routing = kRouteGrouped;
-           moe.grouped.sigmoid = sigmoid;
-           moe.grouped.bias = reinterpret_cast<const float*>(bias);
-           moe.grouped.n_group = n_group;
-           moe.grouped.topk_group = topk_group;
-           moe.grouped.group_by_max = group_by_max;
-           moe.grouped.masked_zero = masked_zero;
-           moe.grouped.normalize = normalize;
-           moe.grouped.eps = eps;
-           moe.grouped.scaling = scaling;
+           moe.grouped = grouped_from(E, top_k, sigmoid, bias, n_group, topk_group, group_by_max, masked_zero,
+                                      normalize, eps, scaling, "set_ffn_moe");
            moe.counts = reinterpret_cast<int64_t*>(counts);
            moe.shared = mlp_from(shared, b.hidden, "set_ffn_moe: shared");
            f.router = router;
@@ -971,23 +983,10 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t weights) {
         // routing.h; fp32 logits [rows, experts] and bias [experts] checked in Python
         // (hetmoe/models/adapters/routing.py)
-        if (rows < 0 || experts <= 0 || k <= 0 || k > experts)
-          throw py::value_error("grouped_topk: needs rows >= 0 and 1 <= k <= experts");
-        if (n_group <= 0 || experts % n_group || topk_group <= 0 || topk_group > n_group)
-          throw py::value_error("grouped_topk: n_group must divide the experts and 1 <= topk_group <= n_group");
-        if (topk_group < n_group && !group_by_max && experts / n_group < 2)
-          throw py::value_error("grouped_topk: a group scored by its two largest needs two experts");
+        if (rows < 0) throw py::value_error("grouped_topk: needs rows >= 0");
+        const GroupedTopk spec = grouped_from(experts, k, sigmoid, bias, n_group, topk_group, group_by_max,
+                                              masked_zero, normalize, eps, scaling, "grouped_topk");
         if (!logits || !ids || !weights) throw py::value_error("grouped_topk: a null buffer");
-        GroupedTopk spec;
-        spec.sigmoid = sigmoid;
-        spec.bias = reinterpret_cast<const float*>(bias);
-        spec.n_group = n_group;
-        spec.topk_group = topk_group;
-        spec.group_by_max = group_by_max;
-        spec.masked_zero = masked_zero;
-        spec.normalize = normalize;
-        spec.eps = eps;
-        spec.scaling = scaling;
         py::gil_scoped_release release;
         grouped_topk(reinterpret_cast<const float*>(logits), rows, experts, k, spec, reinterpret_cast<int64_t*>(ids),
                      reinterpret_cast<float*>(weights));

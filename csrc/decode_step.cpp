@@ -185,6 +185,13 @@ float bf16_round(float v) {
   return f;
 }
 
+// 1 / (1 + exp(-g)) in fp32, rounded to bf16 where `bf16`: a sigmoid as torch leaves it in a tensor
+// of the dtype (apply_gate's and sigmoid_rounded's).
+float sigmoid_in(float g, bool bf16) {
+  const float s = 1.f / (1.f + std::exp(-g));
+  return bf16 ? bf16_round(s) : s;
+}
+
 // Qwen3-Next's q_proj rows [H][query D | gate D] split into qkv's leading [H * D] (the queries, as an
 // ungated q_proj gives them, k and v moved up after them) and gate [H * D]; `elem` bytes a value.
 void split_gated_query(uint8_t* qkv, int64_t heads, int64_t kv_heads, int64_t D, size_t elem, uint8_t* gate) {
@@ -202,10 +209,7 @@ void split_gated_query(uint8_t* qkv, int64_t heads, int64_t kv_heads, int64_t D,
 // differ from torch's in its last bit: tests/test_fast_decode.py holds the path to that.)
 void apply_gate(const KernelTable* kt, void* out, const void* gate, int dtype, int64_t n) {
   const bool bf16 = dtype == kBF16Data;
-  combine(kt, out, gate, dtype, n, out, [bf16](float a, float g) {
-    const float s = 1.f / (1.f + std::exp(-g));
-    return a * (bf16 ? bf16_round(s) : s);
-  });
+  combine(kt, out, gate, dtype, n, out, [bf16](float a, float g) { return a * sigmoid_in(g, bf16); });
 }
 
 }  // namespace
@@ -279,12 +283,11 @@ void silu_rounded(const KernelTable* kt, const void* x, int dtype, int64_t n, vo
 
 void sigmoid_rounded(const void* x, int dtype, int64_t n, void* out) {
   for (int64_t i = 0; i < n; ++i) {
-    if (dtype == kBF16Data) {
-      const float g = engine::bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
-      static_cast<uint16_t*>(out)[i] = engine::f32_to_bf16(1.f / (1.f + std::exp(-g)));
-    } else {
-      static_cast<float*>(out)[i] = 1.f / (1.f + std::exp(-static_cast<const float*>(x)[i]));
-    }
+    if (dtype == kBF16Data)  // sigmoid_in's bf16 rounding is exact: its value fits the bf16 store
+      static_cast<uint16_t*>(out)[i] = engine::f32_to_bf16(
+          sigmoid_in(engine::bf16_to_f32(static_cast<const uint16_t*>(x)[i]), true));
+    else
+      static_cast<float*>(out)[i] = sigmoid_in(static_cast<const float*>(x)[i], false);
   }
 }
 

@@ -92,7 +92,7 @@ GROUPED = [(256, 8, 8, 4), (128, 8, 1, 1), (384, 8, 1, 1), (64, 6, 1, 1), (160, 
 @pytest.mark.parametrize(("experts", "k", "groups", "keep"), GROUPED)
 @pytest.mark.parametrize("variant", ["v3_sigmoid", "v3_softmax", "v2", "v2_renormalized"])
 def test_engine_grouped_topk_against_float64(experts: int, k: int, groups: int, keep: int, variant: str) -> None:
-    from hetmoe.models.adapters.routing import sigmoid_grouped_topk, softmax_group_limited_topk
+    from hetmoe.models.adapters.routing import grouped_topk, v2_grouped, v3_grouped
 
     gen = torch.Generator().manual_seed(experts * 7 + k)
     logits = torch.randn(400, experts, generator=gen) * 2
@@ -102,12 +102,12 @@ def test_engine_grouped_topk_against_float64(experts: int, k: int, groups: int, 
     if variant.startswith("v3"):
         sigmoid = variant == "v3_sigmoid"
         spec = dict(sigmoid=sigmoid, bias=bias, by_max=False, masked_zero=False, normalize=True, eps=1e-20)
-        weights, ids = sigmoid_grouped_topk(logits, bias, k, groups, keep, True, 2.5, not sigmoid)
+        weights, ids = grouped_topk(logits, v3_grouped(k, groups, keep, True, 2.5, not sigmoid), bias)
     else:
         renorm = variant == "v2_renormalized"
         spec = dict(sigmoid=False, bias=None, by_max=True, masked_zero=True, normalize=renorm, eps=0.0)
         method = "group_limited_greedy" if keep < groups else "greedy"
-        weights, ids = softmax_group_limited_topk(logits, k, method, groups, keep, 2.5, renorm)
+        weights, ids = grouped_topk(logits, v2_grouped(k, method, groups, keep, 2.5, renorm))
     want, want_ids = _grouped_reference(logits, k, groups=groups, keep=keep, scaling=2.5, **spec)
     assert torch.equal(ids, want_ids)  # the same experts in the same order
     assert weights.dtype == torch.float32
@@ -119,12 +119,12 @@ def test_engine_grouped_topk_against_float64(experts: int, k: int, groups: int, 
 
 def test_engine_biased_sigmoid_topk_against_float64() -> None:
     """MiniMax-M2's router (one group, renormalised, no eps, bf16 logits taken to fp32)."""
-    from hetmoe.models.adapters.routing import sigmoid_biased_topk
+    from hetmoe.models.adapters.routing import GroupedTopk, grouped_topk
 
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(300, 256, generator=gen) * 2).to(torch.bfloat16)
     bias = torch.rand(256, generator=gen) * 0.1
-    weights, ids = sigmoid_biased_topk(logits, bias, 8)
+    weights, ids = grouped_topk(logits.float(), GroupedTopk(8, normalize=True), bias)  # as its adapter routes
     want, want_ids = _grouped_reference(
         logits.float(), 8, sigmoid=True, bias=bias, groups=1, keep=1, by_max=False, masked_zero=False,
         normalize=True, eps=0.0, scaling=1.0,
@@ -134,10 +134,10 @@ def test_engine_biased_sigmoid_topk_against_float64() -> None:
 
 
 def test_engine_grouped_topk_refuses_groups_it_cannot_score() -> None:
-    from hetmoe.models.adapters.routing import sigmoid_grouped_topk
+    from hetmoe.models.adapters.routing import grouped_topk, v3_grouped
 
     with pytest.raises(ValueError, match="groups"):
-        sigmoid_grouped_topk(torch.randn(2, 8), torch.zeros(8), 2, 8, 4, True, 1.0)
+        grouped_topk(torch.randn(2, 8), v3_grouped(2, 8, 4, True, 1.0), torch.zeros(8))
 
 
 # --- the fp32 router (DeepSeek's, kept in fp32 by transformers) --------------------------------------

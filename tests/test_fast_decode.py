@@ -174,38 +174,15 @@ def test_whole_layer_in_one_call_counts_experts_and_steps_aside_for_recorded_rou
     decode token's experts to the HybridMoE's counts, as forward_routed does. Recording routing is
     forward_routed's work in Python, so the layer's MoE half then runs there again; it routes alike,
     so the recorded counts equal the block's, and the logits are bit-identical."""
-    import hetmoe.models.fast_decode as fast_decode
+    from tiny_models import check_block_counts_and_recorded_routing
+
     from hetmoe import load_model
 
     model = load_model(tiny_cache.model(model_type), dense_method="bf16")
-    moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
-    assert all(fast_decode.whole_layer_in_one_call(m) for m in moe)
-    k = model.config.num_experts_per_tok
-    calls = []
-    real = HybridMoE.forward_routed
-
-    def spy(self, *args, **kwargs):
-        calls.append(self.layer)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(HybridMoE, "forward_routed", spy)
-    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
-    before = [m.cpu_counts.clone() for m in moe]
-    fast = _steps(model, ids, 9, fast=True)  # the prompt, then 9 one-token steps
-    counted = [m.cpu_counts - b for m, b in zip(moe, before, strict=True)]
-    assert len(calls) == len(moe)  # forward_routed ran for the prompt only
-    assert all(int(c.sum()) == (5 + 9) * k for c in counted)
-    if model_type == "glm4_moe":  # its dense first layer's MLP ran in the block too
-        assert all(layer.__dict__.get("_hetmoe_ffn_half") is not None for layer in model.model.layers)
-    calls.clear()
-    moe[0].stats.record_routing = True
-    assert not any(fast_decode.whole_layer_in_one_call(m) for m in moe)  # what paths.py reports
-    recorded = _steps(model, ids, 9, fast=True)
-    assert len(calls) == 10 * len(moe)  # the prompt and every step in Python
-    for m, c in zip(moe, counted, strict=True):
-        assert torch.equal(moe[0].stats.routing[m.layer], c)
-    for a, b in zip(fast, recorded, strict=True):
-        assert torch.equal(a, b)
+    # GLM-4-MoE's dense first layer runs its MLP in the block too
+    check_block_counts_and_recorded_routing(
+        model, monkeypatch, lambda m, ids, n: _steps(m, ids, n, fast=True), model_type == "glm4_moe"
+    )
 
 
 def test_block_follows_a_norm_weight_whose_storage_changed(tiny_cache) -> None:

@@ -150,6 +150,48 @@ def greedy_logits(model: torch.nn.Module, ids: torch.Tensor, steps: int, cache: 
     return logits
 
 
+def check_block_counts_and_recorded_routing(
+    model: torch.nn.Module, monkeypatch: Any, run: Any, every_layer_in_block: bool
+) -> None:
+    """A one-call decode block that runs its layer's MoE half adds each decode token's experts to the
+    HybridMoE's counts, as forward_routed does (``run(model, ids, steps)``: the prompt's logits, then
+    greedy one-token steps); ``every_layer_in_block``: every layer's second half ran in its block,
+    dense layers included. Recording routing is forward_routed's work in Python, so the MoE half then
+    runs there again; it routes alike, so the recorded counts equal the block's and the logits are
+    bit-identical. (tests/test_fast_decode.py and tests/test_mla_decode.py, one per block.)"""
+    import hetmoe.models.fast_decode as fast_decode
+    from hetmoe.runtime.hybrid import HybridMoE
+
+    moe = [m for m in model.modules() if isinstance(m, HybridMoE)]
+    assert moe and all(fast_decode.whole_layer_in_one_call(m) for m in moe)
+    k = model.config.num_experts_per_tok
+    calls = []
+    real = HybridMoE.forward_routed
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(self.layer)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridMoE, "forward_routed", spy)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    before = [m.cpu_counts.clone() for m in moe]
+    fast = run(model, ids, 9)  # the prompt, then 9 one-token steps
+    counted = [m.cpu_counts - b for m, b in zip(moe, before, strict=True)]
+    assert len(calls) == len(moe)  # forward_routed ran for the prompt only
+    assert all(int(c.sum()) == (5 + 9) * k for c in counted)
+    if every_layer_in_block:
+        assert all(layer.__dict__.get("_hetmoe_ffn_half") is not None for layer in model.model.layers)
+    calls.clear()
+    moe[0].stats.record_routing = True
+    assert not any(fast_decode.whole_layer_in_one_call(m) for m in moe)  # what paths.py reports
+    recorded = run(model, ids, 9)
+    assert len(calls) == 10 * len(moe)  # the prompt and every step in Python
+    for m, c in zip(moe, counted, strict=True):
+        assert torch.equal(moe[0].stats.routing[m.layer], c)
+    for a, b in zip(fast, recorded, strict=True):
+        assert torch.equal(a, b)
+
+
 def spy_taken(monkeypatch: Any, owner: Any, name: str) -> list[bool]:
     """Replace ``owner.name`` (a function a fast path may decline by returning None) with one that
     records, per call, whether it returned something; the list grows as the tests call it."""

@@ -40,8 +40,7 @@ class MiniMaxM2Adapter(MoEAdapter):
         return grouped_topk(logits.float(), *self.decode_logits_grouped(block))
 
     def decode_logits_grouped(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor]:
-        # sigmoid scores, the choice by score + bias, the k weights renormalised (routing.py's
-        # sigmoid_biased_topk)
+        # sigmoid scores in fp32, the choice by score + bias, the k weights renormalised
         return GroupedTopk(self.top_k(), normalize=True), block.e_score_correction_bias
 
 

@@ -250,42 +250,9 @@ def v2_grouped(
     ``renormalize`` (llama.cpp's expert_weights_norm: the k weights divided by their sum, then scaled)."""
     if method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
-    if method == "greedy":
-        return GroupedTopk(k, False, 1, 1, True, True, renormalize, 0.0, scaling)
-    assert n_group and topk_group
-    return GroupedTopk(k, False, n_group, topk_group, True, True, renormalize, 0.0, scaling)
-
-
-def sigmoid_grouped_topk(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    k: int,
-    n_group: int,
-    topk_group: int,
-    normalize: bool,
-    scaling: float,
-    softmax: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's router (``v3_grouped``) on its logits and correction bias."""
-    return grouped_topk(logits, v3_grouped(k, n_group, topk_group, normalize, scaling, softmax), bias)
-
-
-def softmax_group_limited_topk(
-    logits: torch.Tensor,
-    k: int,
-    method: str,
-    n_group: int | None,
-    topk_group: int | None,
-    scaling: float,
-    renormalize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2's router (``v2_grouped``) on its logits."""
-    return grouped_topk(logits, v2_grouped(k, method, n_group, topk_group, scaling, renormalize))
-
-
-def sigmoid_biased_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiniMax-M2: sigmoid scores in fp32, choice by score + correction bias, renormalised weights."""
-    return grouped_topk(logits.float(), GroupedTopk(k, normalize=True), bias)
+    groups, kept = (n_group, topk_group) if method == "group_limited_greedy" else (1, 1)
+    assert groups and kept
+    return GroupedTopk(k, False, groups, kept, True, True, renormalize, 0.0, scaling)
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
