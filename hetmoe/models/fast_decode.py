@@ -24,7 +24,7 @@ sliding-window layers (the step attends over the window's rows of a ``SlidingLay
 needed past the window), Qwen3-Next's query gate (``decode_gated_query``: the output times
 sigmoid(gate) before o_proj; that sigmoid is the engine's, within 2 ulp of torch's). Where the MoE
 block routes by softmax top-k from those logits and all its experts are in one CPU engine
-(``MoEAdapter.decode_softmax_topk``: Qwen3-MoE, Mixtral, OLMoE, gpt-oss), the same call runs the
+(``MoEAdapter.decode_routing``: Qwen3-MoE, Mixtral, OLMoE, gpt-oss), the same call runs the
 rest of the layer too: the routing (csrc/routing.h, which the Python path calls as well), the
 experts, the residual add; the whole layer is then one engine call (``DecodeMoEHalf``). Where it does not
 (another cache), Qwen3-MoE's layers take the same steps as separate engine calls; other families
@@ -48,7 +48,7 @@ from ..runtime.cpu_linear import CPULinear
 from ..runtime.fused_linears import FusedLinears
 from ..runtime.hybrid import HybridMoE
 from .adapters.base import MLAAdapter, MoEAdapter
-from .adapters.routing import _fp32_copy, engine_linear
+from .adapters.routing import BlockRouting, _fp32_copy, engine_linear
 from .cpu_attention import ATTENTION_NAMES, attention_forward
 from .ffn_half import NO_MLP, mlp_engines, moe_in_one_call, set_ffn_half
 from .fused_norms import _DTYPES, norm_rows, norm_spec
@@ -380,7 +380,7 @@ def _norm_rope_direct(
 def _router_engine(mlp: nn.Module) -> Any:
     """The engine linear that computes ``mlp``'s router logits (routing.router_logits' own), where
     the block is a HybridMoE whose adapter routes from those logits alone; else None."""
-    if not isinstance(mlp, HybridMoE) or not mlp.adapter.routes_from_logits():
+    if not isinstance(mlp, HybridMoE) or not mlp.adapter.routes_from_logits(mlp):
         return None
     gate = mlp._modules.get(mlp.adapter.router_attr)
     if gate is None or gate._forward_hooks or gate._forward_pre_hooks:
@@ -494,7 +494,7 @@ def whole_layer_in_one_call(mlp: nn.Module) -> bool:
     engine call as things stand (the block's router in the engine, softmax top-k routing, every
     expert in one engine; for a grouped router, ffn_half.moe_in_one_call): what models/paths.py
     reports."""
-    if isinstance(mlp, HybridMoE) and mlp.adapter.decode_grouped_topk(mlp) is not None:
+    if isinstance(mlp, HybridMoE) and _fp32_logits(mlp.adapter.decode_routing(mlp)):
         return moe_in_one_call(mlp)
     return (
         isinstance(mlp, HybridMoE)
@@ -506,7 +506,7 @@ def whole_layer_in_one_call(mlp: nn.Module) -> bool:
 
 def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype) -> None:
     """Give the block the layer's MoE half (csrc/decode_step.h: DecodeMoEHalf) where its HybridMoE
-    routes by softmax top-k from the block's logits (``MoEAdapter.decode_softmax_topk``) and this
+    routes from the block's logits as the engine's MoE half can (``_logits_routing``) and this
     step would run all of it in one CPU engine: no expert on a device, none deferred, no layerwise
     prefill, no routing being recorded (HybridMoE.forward_routed does those in Python). Otherwise
     the block ends at the logits. Set again only when what it points to changed."""
@@ -530,47 +530,50 @@ def _set_moe_half(layer: nn.Module, block: Any, router: Any, dtype: torch.dtype)
     layer._hetmoe_moe_half = key
 
 
-def _shared_engines(mlp: HybridMoE) -> tuple[tuple[Any, ...], Any] | None:
-    """``(MLP engines, gate engine or None)`` of the shared experts ``decode_shared`` names, ffn_half's
-    NO_MLP where there are none; None where they do not run in the engine as the module path runs
-    them (the gate a bf16 router in the engine, routing.engine_linear, as gated_shared_expert takes it)."""
-    named = mlp.adapter.decode_shared(mlp)
-    if named is None:
+def _fp32_logits(routing: BlockRouting | None) -> bool:
+    """A block routed by a grouped router on fp32 logits (DeepSeek, GLM): ffn_half.py's to run."""
+    return routing is not None and routing.fp32 and routing.grouped is not None
+
+
+def _shared_engines(routing: BlockRouting) -> tuple[tuple[Any, ...], Any] | None:
+    """``(MLP engines, gate engine or None)`` of the block's shared experts, ffn_half's NO_MLP where
+    there are none; None where they do not run in the engine as the module path runs them (the gate
+    a bf16 router in the engine, routing.engine_linear, as gated_shared_expert takes it)."""
+    if routing.shared is None:
         return NO_MLP, None
-    shared, gate = named
-    engines = mlp_engines(shared)
-    if engines is None:
-        return None
-    if gate is None:
-        return engines, None
+    engines = mlp_engines(routing.shared)
+    gate = routing.shared_gate
+    if engines is None or gate is None:
+        return None if engines is None else (engines, None)
     linear = engine_linear(gate.weight, getattr(gate, "bias", None))
     return None if linear is None else (engines, linear._engine)
 
 
 def _logits_routing(mlp: nn.Module, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """``(k, normalize, round, bias, shared engines, shared gate engine)`` where the HybridMoE routes
-    from the block's logits as the engine's MoE half can: softmax top-k (``decode_softmax_topk``; bias
-    None; the shared experts ``decode_shared`` names, in the engine: ``_shared_engines``), or
-    MiniMax-M2's sigmoid router (``decode_logits_grouped``: one group, renormalised, unscaled; its
-    bias in fp32, the copy the adapter's routing reads too, routing._fp32_copy) on logits of its
-    router's dtype. Else None."""
+    from the block's logits (``MoEAdapter.decode_routing``, not on fp32 logits) as the engine's MoE
+    half can, its shared experts in the engine (``_shared_engines``): softmax top-k (bias None), or a
+    sigmoid router in one group, renormalised, unscaled (MiniMax-M2), on logits of its router's
+    dtype, its bias in fp32 (the copy the adapter's routing reads too, routing._fp32_copy). Else None."""
     if not isinstance(mlp, HybridMoE):
         return None
-    softmax = mlp.adapter.decode_softmax_topk()
-    if softmax is not None:
-        shared = _shared_engines(mlp)
-        return None if shared is None else (*softmax, None, *shared)
-    grouped = mlp.adapter.decode_logits_grouped(mlp)
-    if grouped is None:
+    routing = mlp.adapter.decode_routing(mlp)
+    if routing is None or routing.fp32:
         return None
-    spec, bias = grouped
-    plain = spec.sigmoid and spec.n_group == 1 and spec.eps == 0 and spec.scaling == 1
+    shared = _shared_engines(routing)
+    if shared is None:
+        return None
+    if routing.softmax is not None:
+        return (*routing.softmax, None, *shared)
+    spec, bias = routing.grouped, routing.bias
+    if spec is None or not (spec.sigmoid and spec.n_group == 1 and spec.eps == 0 and spec.scaling == 1):
+        return None
     gate = mlp._modules.get("gate")
-    if not plain or gate is None or gate._parameters["weight"].dtype != dtype:
+    if gate is None or gate._parameters["weight"].dtype != dtype:
         return None
-    if bias.device.type != "cpu" or bias.shape != (mlp.cpu.experts,):
+    if bias is not None and (bias.device.type != "cpu" or bias.shape != (mlp.cpu.experts,)):
         return None
-    return spec.k, spec.normalize, False, _fp32_copy(bias), NO_MLP, None
+    return spec.k, spec.normalize, False, None if bias is None else _fp32_copy(bias), *shared
 
 
 def _one_token_block(layer: nn.Module, x: torch.Tensor, cache: Any, position_embeddings: Any) -> torch.Tensor | None:

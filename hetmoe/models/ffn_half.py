@@ -3,7 +3,7 @@
 After the attention half, a one-call block (models/fast_decode.py's DecodeAttentionBlock,
 models/mla_decode.py's DecodeMLABlock) can run the rest of the layer too, without returning to
 Python: a dense layer's SwiGLU MLP (``DecodeMLP``), or a MoE block routed by a grouped router
-(DeepSeek-V2/V3, Kimi-K2, GLM-4.x: ``MoEAdapter.decode_grouped_topk``) from fp32 logits, its routed
+(DeepSeek-V2/V3, Kimi-K2, GLM-4.x: ``MoEAdapter.decode_routing``) from fp32 logits, its routed
 experts in the CPU engine and its shared experts an engine MLP. Everything it calls is what the
 module-by-module forward calls (the adapters' routing is the engine's, routing.py; the engine MLPs'
 activation is runtime/engine_activations.py's), so the two give the same values; tests/test_mla_decode.py and
@@ -53,25 +53,26 @@ def mlp_engines(mlp: nn.Module) -> tuple[Any, Any, Any, Any] | None:
 
 def _moe_half(mlp: nn.Module) -> tuple[Any, ...] | None:
     """What the block needs to run a HybridMoE whose adapter routes by a grouped router from fp32
-    logits (``MoEAdapter.decode_grouped_topk``), every routed expert in its CPU engine
+    logits (``MoEAdapter.decode_routing``), every routed expert in its CPU engine
     (HybridMoE.one_token_in_engine), its router in the engine as routing.router_logits computes it
     (a bf16 engine linear, or an fp32 weight through router_logits_f32) and its shared experts (if
-    any) an engine MLP: ``(router engine or None, fp32 weight or None, its data pointer or 0, spec,
-    fp32 bias or None, shared engines)``; None otherwise."""
+    any, ungated) an engine MLP: ``(router engine or None, fp32 weight or None, its data pointer or 0,
+    spec, fp32 bias or None, shared engines)``; None otherwise."""
     if not isinstance(mlp, HybridMoE) or not mlp.one_token_in_engine():
         return None
-    grouped = mlp.adapter.decode_grouped_topk(mlp)
+    routing = mlp.adapter.decode_routing(mlp)
+    if routing is None or not routing.fp32 or routing.grouped is None or routing.shared_gate is not None:
+        return None
     gate = mlp._modules.get("gate")
-    if grouped is None or gate is None or gate._forward_hooks or gate._forward_pre_hooks:
+    if gate is None or gate._forward_hooks or gate._forward_pre_hooks:
         return None
     weight = gate._parameters["weight"]
     router = engine_linear(weight, None)
     f32 = weight if router is None and fp32_router_in_engine(weight, None) else None
-    spec, bias = grouped
+    spec, bias = routing.grouped, routing.bias
     if (router is None and f32 is None) or (bias is not None and (bias.device.type != "cpu" or bias.dim() != 1)):
         return None
-    shared = mlp._modules.get("shared_experts")
-    engines = NO_MLP if shared is None else mlp_engines(shared)
+    engines = NO_MLP if routing.shared is None else mlp_engines(routing.shared)
     if engines is None:
         return None
     # the fp32 weight's storage too: a weight replaced in place keeps the tensor, not the pointer

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .routing import GroupedTopk, softmax_topk
+from .routing import BlockRouting, softmax_topk
 
 # A torch activation on the gate and up projections: h = act(gate, up).
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -116,49 +116,33 @@ class MoEAdapter(ABC):
         router.weight, router.bias)`` of the block's ``router_attr`` module (routing.py: its bias where
         it has one, the router's own dtype) and everything after them is a function of the logits
         alone: the one-token decode path then has the engine compute them. None for every other
-        router, and for logits it would not have computed so. By default the routing
-        ``decode_softmax_topk`` names, where it names one."""
-        spec = self.decode_softmax_topk()
-        if spec is None:
+        router, and for logits it would not have computed so. By default the softmax top-k
+        ``decode_routing`` names, where it names one."""
+        routing = self.decode_routing(block)
+        if routing is None or routing.softmax is None or routing.fp32:
             return None
-        k, normalize, rounded = spec
+        k, normalize, rounded = routing.softmax
         return softmax_topk(logits, k, normalize, logits.dtype if rounded else None)
 
-    def routes_from_logits(self) -> bool:
-        """Whether ``route_logits`` routes this architecture (models/fast_decode.py then has the
-        engine compute the logits of a one-token step)."""
-        return type(self).route_logits is not MoEAdapter.route_logits or self.decode_softmax_topk() is not None
+    def routes_from_logits(self, block: nn.Module) -> bool:
+        """Whether ``route_logits`` routes this block (models/fast_decode.py then has the engine
+        compute the logits of a one-token step)."""
+        if type(self).route_logits is not MoEAdapter.route_logits:
+            return True
+        routing = self.decode_routing(block)
+        return routing is not None and routing.softmax is not None and not routing.fp32
 
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The output of the shared experts for ``x [T, H]``, or None when there are none."""
         return None
 
-    def decode_softmax_topk(self) -> tuple[int, bool, bool] | None:
-        """``(k, normalize, round)`` where ``route_logits`` routes as ``softmax_topk(logits, k,
-        normalize, logits.dtype if round else None)`` (routing.py; gpt-oss's ``topk_softmax`` is that
-        with normalize) and the block's shared experts, if any, are those ``decode_shared`` names:
-        the one-call decode layer then routes in the engine and runs the experts there too, the layer
-        without a return to Python (models/fast_decode.py). None otherwise."""
-        return None
-
-    def decode_shared(self, block: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
-        """The shared experts ``shared`` computes, for the one-call decode layer: ``(mlp, gate)``, a
-        SwiGLU MLP module and the linear whose sigmoid scales its output (Qwen2-MoE, Qwen3-Next:
-        qwen2_moe.gated_shared_expert) or None; None where the block has none that way."""
-        return None
-
-    def decode_logits_grouped(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor] | None:
-        """``(spec, bias)`` where ``route_logits`` routes the block's logits as ``grouped_topk(
-        logits.float(), spec, bias)`` with sigmoid scores in one group, renormalised, unscaled
-        (MiniMax-M2): the one-call decode layer then routes in the engine and runs the experts there
-        too (models/fast_decode.py). None otherwise."""
-        return None
-
-    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None] | None:
-        """The grouped router (routing.py's ``GroupedTopk``, and the block's correction bias or None)
-        ``route`` applies to the fp32 logits ``router_logits(x, block.gate.weight, fp32=True)``, where
-        it routes so: a one-call latent-attention layer then routes in the engine and runs the MoE
-        block there too, shared experts included (models/mla_decode.py). None otherwise."""
+    def decode_routing(self, block: nn.Module) -> BlockRouting | None:
+        """How ``route`` and ``shared`` compute, where the engine can compute them the same way
+        (routing.py's ``BlockRouting``): the one-call decode layer then routes the block in the
+        engine and runs its experts and shared experts there too, the whole layer without a return
+        to Python (models/fast_decode.py for softmax top-k and a grouped router on the router's
+        logits, models/ffn_half.py for a grouped router on fp32 logits). None otherwise: the layer's
+        MoE half then runs in Python."""
         return None
 
     @property

@@ -15,7 +15,7 @@ from torch import nn
 from ...checkpoint import CheckpointError
 from ..gguf_names import DEEPSEEK_SHARED, DENSE_MLP, NORMS, ROUTER, GGUFConfig
 from .base import MLAAdapter
-from .routing import GroupedTopk, grouped_topk, router_logits, v2_grouped
+from .routing import BlockRouting, GroupedTopk, grouped_topk, router_logits, v2_grouped
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -30,14 +30,16 @@ class DeepseekV2Adapter(MLAAdapter):
     rms_norms = (("DeepseekV2RMSNorm", "cast_then_scale", "variance_epsilon"),)
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        spec, _ = self.decode_grouped_topk(block)
-        return grouped_topk(router_logits(x, block.gate.weight, fp32=True), spec)
+        return grouped_topk(router_logits(x, block.gate.weight, fp32=True), self._spec_once())
 
-    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None]:
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return BlockRouting(grouped=self._spec_once(), fp32=True, shared=block._modules.get("shared_experts"))
+
+    def _spec_once(self) -> GroupedTopk:
         spec = self.__dict__.get("_grouped_spec")  # read once: a decode step asks in every layer
         if spec is None:
             spec = self._grouped_spec = self._spec()
-        return spec, None
+        return spec
 
     def _spec(self) -> GroupedTopk:
         c = self.config

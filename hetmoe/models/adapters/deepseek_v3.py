@@ -14,16 +14,19 @@ import torch
 from torch import nn
 
 from .base import MLAAdapter, MoEAdapter
-from .routing import GroupedTopk, grouped_topk, router_logits, v3_grouped
+from .routing import BlockRouting, GroupedTopk, grouped_topk, router_logits, v3_grouped
 
 
-def grouped_sigmoid_spec(adapter: MoEAdapter, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor]:
-    """The DeepSeek-V3 router of ``block.gate`` (its e_score_correction_bias) from the config (read
-    once: a decode step asks in every layer)."""
+def grouped_sigmoid_routing(adapter: MoEAdapter, block: nn.Module) -> BlockRouting:
+    """The DeepSeek-V3 router of ``block.gate`` (its e_score_correction_bias) on fp32 logits, its
+    spec from the config (read once: a decode step asks in every layer), and the block's ungated
+    shared experts."""
     spec = adapter.__dict__.get("_grouped_spec")
     if spec is None:
         spec = adapter._grouped_spec = _v3_spec(adapter)
-    return spec, block.gate.e_score_correction_bias
+    return BlockRouting(
+        grouped=spec, bias=block.gate.e_score_correction_bias, fp32=True, shared=block._modules.get("shared_experts")
+    )
 
 
 def _v3_spec(adapter: MoEAdapter) -> GroupedTopk:
@@ -40,7 +43,8 @@ def _v3_spec(adapter: MoEAdapter) -> GroupedTopk:
 
 def grouped_sigmoid_route(adapter: MoEAdapter, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeepSeek-V3 router on ``block.gate`` (weight and e_score_correction_bias)."""
-    return grouped_topk(router_logits(x, block.gate.weight, fp32=True), *grouped_sigmoid_spec(adapter, block))
+    routing = grouped_sigmoid_routing(adapter, block)
+    return grouped_topk(router_logits(x, block.gate.weight, fp32=True), routing.grouped, routing.bias)
 
 
 class DeepseekV3Adapter(MLAAdapter):
@@ -57,8 +61,8 @@ class DeepseekV3Adapter(MLAAdapter):
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return block.shared_experts(x)
 
-    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None]:
-        return grouped_sigmoid_spec(self, block)
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return grouped_sigmoid_routing(self, block)
 
     def mla_rotary(
         self, attn: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings: Any

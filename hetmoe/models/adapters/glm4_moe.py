@@ -11,8 +11,8 @@ from torch import nn
 from ...checkpoint import CheckpointError
 from ..gguf_names import DEEPSEEK_SHARED, DENSE_MLP, GLM_NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
-from .deepseek_v3 import grouped_sigmoid_route, grouped_sigmoid_spec
-from .routing import GroupedTopk
+from .deepseek_v3 import grouped_sigmoid_route, grouped_sigmoid_routing
+from .routing import BlockRouting
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -36,8 +36,8 @@ class Glm4MoeAdapter(MoEAdapter):
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return block.shared_experts(x)
 
-    def decode_grouped_topk(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor | None]:
-        return grouped_sigmoid_spec(self, block)
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return grouped_sigmoid_routing(self, block)
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

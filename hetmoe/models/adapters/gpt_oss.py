@@ -15,7 +15,7 @@ from torch import nn
 from ...checkpoint import CheckpointError
 from ..gguf_names import GLM_NORMS, GGUFConfig
 from .base import Activation, MoEAdapter
-from .routing import router_logits, topk_softmax
+from .routing import BlockRouting, router_logits, topk_softmax
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -47,9 +47,9 @@ class GptOssAdapter(MoEAdapter):
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return topk_softmax(logits, self.top_k())
 
-    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
         # the softmax of the k largest logits is the renormalised top k of the softmax, in the dtype
-        return self.top_k(), True, True
+        return BlockRouting(softmax=(self.top_k(), True, True))
 
     @property
     def activation(self) -> Activation:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..gguf_names import NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
-from .routing import GroupedTopk, grouped_topk, router_logits
+from .routing import BlockRouting, GroupedTopk, grouped_topk, router_logits
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -30,18 +30,19 @@ class MiniMaxM2Adapter(MoEAdapter):
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = block.gate.weight
         logits = router_logits(x.to(weight.dtype), weight)
-        return grouped_topk(logits.float(), *self.decode_logits_grouped(block))
+        return grouped_topk(logits.float(), GroupedTopk(self.top_k(), normalize=True), block.e_score_correction_bias)
 
     def route_logits(self, block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         # `route` rounds x to the router weight's dtype first: logits computed from x in another dtype
         # (an fp32 load of a bf16 router) are not the ones it would take.
         if logits.dtype != block.gate.weight.dtype:
             return None
-        return grouped_topk(logits.float(), *self.decode_logits_grouped(block))
+        routing = self.decode_routing(block)
+        return grouped_topk(logits.float(), routing.grouped, routing.bias)
 
-    def decode_logits_grouped(self, block: nn.Module) -> tuple[GroupedTopk, torch.Tensor]:
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
         # sigmoid scores in fp32, the choice by score + bias, the k weights renormalised
-        return GroupedTopk(self.top_k(), normalize=True), block.e_score_correction_bias
+        return BlockRouting(grouped=GroupedTopk(self.top_k(), normalize=True), bias=block.e_score_correction_bias)
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..gguf_names import NORMS, QKV, ROUTER, GGUFConfig, unpermute_rows
 from .base import MoEAdapter
-from .routing import router_logits
+from .routing import BlockRouting, router_logits
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -30,8 +30,8 @@ class MixtralAdapter(MoEAdapter):
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))
 
-    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
-        return self.top_k(), True, False
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return BlockRouting(softmax=(self.top_k(), True, False))
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

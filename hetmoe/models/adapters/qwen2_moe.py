@@ -11,7 +11,7 @@ from torch import nn
 from ...runtime.engine_activations import engine_sigmoid
 from ..gguf_names import DENSE_MLP, NORMS, QKV, QWEN2_SHARED, ROUTER, GGUFConfig
 from .base import MoEAdapter
-from .routing import router_logits, softmax_topk
+from .routing import BlockRouting, router_logits, softmax_topk
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -45,11 +45,12 @@ class Qwen2MoeAdapter(MoEAdapter):
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return gated_shared_expert(block, x)
 
-    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
-        return self.top_k(), bool(self.config.norm_topk_prob), True
-
-    def decode_shared(self, block: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-        return block.shared_expert, block.shared_expert_gate
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return BlockRouting(
+            softmax=(self.top_k(), bool(self.config.norm_topk_prob), True),
+            shared=block.shared_expert,
+            shared_gate=block.shared_expert_gate,
+        )
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..gguf_names import DENSE_MLP, NORMS, QK_NORM, QKV, ROUTER, GGUFConfig
 from .base import MoEAdapter
-from .routing import router_logits
+from .routing import BlockRouting, router_logits
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -28,8 +28,8 @@ class Qwen3MoeAdapter(MoEAdapter):
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_logits(block, router_logits(x, block.gate.weight))
 
-    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
-        return self.top_k(), bool(self.config.norm_topk_prob), True
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return BlockRouting(softmax=(self.top_k(), bool(self.config.norm_topk_prob), True))
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

@@ -16,7 +16,7 @@ from ...checkpoint.config import qwen3next_layer_types
 from ..gguf_names import DENSE_MLP, GLM_NORMS, QK_NORM, QKV, QWEN2_SHARED, ROUTER, GGUFConfig
 from .base import MoEAdapter
 from .qwen2_moe import gated_shared_expert
-from .routing import router_logits, softmax_topk
+from .routing import BlockRouting, router_logits, softmax_topk
 
 if TYPE_CHECKING:
     from ...checkpoint.layout import MoELayout
@@ -41,11 +41,12 @@ class Qwen3NextAdapter(MoEAdapter):
     def shared(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return gated_shared_expert(block, x)
 
-    def decode_softmax_topk(self) -> tuple[int, bool, bool]:
-        return self.top_k(), bool(self.config.norm_topk_prob), True
-
-    def decode_shared(self, block: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-        return block.shared_expert, block.shared_expert_gate
+    def decode_routing(self, block: nn.Module) -> BlockRouting:
+        return BlockRouting(
+            softmax=(self.top_k(), bool(self.config.norm_topk_prob), True),
+            shared=block.shared_expert,
+            shared_gate=block.shared_expert_gate,
+        )
 
 
 # --- its GGUF files: llama.cpp's architecture name, metadata keys and tensor names ---------------

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def router_logits(
@@ -177,6 +178,24 @@ class GroupedTopk:
     normalize: bool = False
     eps: float = 0.0
     scaling: float = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class BlockRouting:
+    """A MoE block's routing and shared experts, in the terms the one-call decode layer runs them in
+    the engine (csrc/decode_step.h). The routing is a function of the logits ``router_logits``
+    computes from the block's router (``fp32``: in fp32 from fp32 casts, DeepSeek and GLM; else in
+    the router's dtype): softmax top-k (``softmax``: k, normalize, the weights rounded to the logits'
+    dtype: routing's ``softmax_topk``), or a grouped router (``grouped``, with the block's correction
+    ``bias`` or None). The shared experts are what the adapter's ``shared`` adds: a SwiGLU MLP module,
+    scaled by the sigmoid of ``shared_gate``'s logit where the block has one (Qwen2-MoE)."""
+
+    softmax: tuple[int, bool, bool] | None = None
+    grouped: GroupedTopk | None = None
+    bias: torch.Tensor | None = None
+    fp32: bool = False
+    shared: nn.Module | None = None
+    shared_gate: nn.Module | None = None
 
 
 def grouped_topk(
