@@ -708,15 +708,27 @@ PYBIND11_MODULE(_C, m) {
       py::arg("family"), py::arg("regime"));
   m.def(
       "set_weight_prefetch",
-      [](int hint) {
+      [](int hint, int family) {
         if (hint < -1 || hint > kPrefetchNone)
           throw py::value_error(
               "weight prefetch: expected 0 (T0), 1 (NTA), 2 (T1), 3 (none) or -1 (this CPU's default), found " +
               std::to_string(hint));
-        g_weight_prefetch = hint < 0 ? default_weight_prefetch() : hint;
+        if (family < -1 || family >= kPrefetchFamilies)
+          throw py::value_error("weight prefetch: family " + std::to_string(family) +
+                                " (expected 0: 4- to 6-bit, 1: int8 and Q8_0, 2: bf16 and fp8, or -1 for all)");
+        for (int f = 0; f < kPrefetchFamilies; ++f)
+          if (family < 0 || family == f) g_weight_prefetch[f] = hint < 0 ? default_weight_prefetch() : hint;
       },
-      py::arg("hint"));
-  m.def("weight_prefetch", [] { return g_weight_prefetch.load(); });
+      py::arg("hint"), py::arg("family") = -1,
+      "how a family of GEMVs prefetches the weight rows it streams (kernels.h: WeightPrefetch, PrefetchFamily)");
+  m.def(
+      "weight_prefetch",
+      [](int family) {
+        if (family < 0 || family >= kPrefetchFamilies)
+          throw py::value_error("weight prefetch: family " + std::to_string(family) + " (expected 0, 1 or 2)");
+        return g_weight_prefetch[family].load();
+      },
+      py::arg("family"));
   m.def(
       "buffer_cache_stats",
       [] {

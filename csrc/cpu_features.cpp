@@ -82,7 +82,8 @@ std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes] = {
     {default_int_vector_bits(), default_int_vector_bits()}, {default_int_vector_bits(), default_int_vector_bits()}};
 int default_weight_prefetch() { return cpu_features().amd ? kPrefetchNta : kPrefetchT0; }
 
-std::atomic<int> g_weight_prefetch{default_weight_prefetch()};
+std::atomic<int> g_weight_prefetch[kPrefetchFamilies] = {default_weight_prefetch(), default_weight_prefetch(),
+                                                         default_weight_prefetch()};
 const int g_fp32_x_shared_min_k = cpu_features().l1d_bytes / 2 / int(sizeof(float));
 
 }  // namespace hetmoe

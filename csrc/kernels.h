@@ -213,10 +213,21 @@ enum IntWidthRegime : int { kWidthDecode = 0, kWidthPrompt = 1, kWidthRegimes = 
 inline int width_family(int mode) { return mode == kActNatural ? kWidthNatural : kWidthDigits; }
 extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // How the GEMVs prefetch the weight rows they stream (kernels_common.inc: prefetch_line): into every
-// cache level (T0), non-temporally (NTA), or into L2 and outward but not L1 (T1). Atomic for the same
+// cache level (T0), non-temporally (NTA), into L2 and outward but not L1 (T1), or not at all (the
+// hardware's prefetchers alone). Per family of GEMVs, which the tuner measures apart because they
+// disagree: on an AMD EPYC (Zen 4, 2 threads, a Qwen3-30B-A3B layer's 1-token decode from DRAM, 40
+// alternating rounds, medians) the 4-bit GEMVs, whose arithmetic keeps the core busy, ran 5-14%
+// faster with a software prefetch than without, int8 and bf16 2-11% slower. Families: [kPrefetchDigits]
+// and [kPrefetchNatural] as the widths' (kWidthDigits: the 4- to 6-bit GEMVs, kWidthNatural: int8,
+// Q8_0), [kPrefetchFloat] the GEMVs on fp32 or bf16 arithmetic (bf16, fp8). Atomic for the same
 // reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
 enum WeightPrefetch : int { kPrefetchT0 = 0, kPrefetchNta = 1, kPrefetchT1 = 2, kPrefetchNone = 3 };
-extern std::atomic<int> g_weight_prefetch;
+enum PrefetchFamily : int { kPrefetchDigits = 0, kPrefetchNatural = 1, kPrefetchFloat = 2, kPrefetchFamilies = 3 };
+static_assert(int(kPrefetchDigits) == int(kWidthDigits) && int(kPrefetchNatural) == int(kWidthNatural),
+              "the prefetch families extend the width families");
+// The family of a method's GEMV from the activation layout it reads (MethodTraits::gemv_act).
+inline int prefetch_family(int act_mode) { return act_mode == kActNone ? kPrefetchFloat : width_family(act_mode); }
+extern std::atomic<int> g_weight_prefetch[kPrefetchFamilies];
 // From this K on, a decode GEMV on fp32 activations (bf16, fp8) streams several rows a pass, sharing each
 // load of x: x's fp32 row then fills half of this CPU's L1d or more (cpu_features.cpp).
 extern const int g_fp32_x_shared_min_k;

@@ -90,7 +90,8 @@ double measure_read_bandwidth_of(const uint64_t* buf, int64_t bytes, int threads
 
 namespace {
 // Sums a chunk 32 bytes at a time, prefetching 8 KiB ahead as the GEMVs ask for their rows
-// (kernels_common.inc): non-temporally where they do, else T0. Not T1 where the GEMVs take it: this
+// (kernels_common.inc): non-temporally where the bf16 GEMVs do (the pure stream of the families,
+// kPrefetchFloat), else T0. Not T1 where the GEMVs take it: this
 // loop alone read 23-25 GB/s with T1 against 32-36 with T0 on the AMX Xeon, and the ceiling a decode
 // row is compared with must not drop with the GEMVs' choice. AVX2 only: the engine runs nowhere
 // without it.
@@ -119,7 +120,7 @@ double measure_chunked_read(const uint8_t* buf, int64_t bytes, int64_t chunk, in
   for (int r = 0; r < reps; ++r) {
     for (auto& o : offsets) o = int64_t(rng() % uint64_t(slots)) * chunk;
     auto job = std::make_shared<ForJob>(int(pieces), [&](int i) {
-      sink.fetch_add(read_chunk(buf + offsets[i], chunk, g_weight_prefetch.load(std::memory_order_relaxed) == kPrefetchNta), std::memory_order_relaxed);
+      sink.fetch_add(read_chunk(buf + offsets[i], chunk, g_weight_prefetch[kPrefetchFloat].load(std::memory_order_relaxed) == kPrefetchNta), std::memory_order_relaxed);
     });
     const auto t0 = Clock::now();
     pool->submit(job);

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hetmoe.bench.defaults import BOUND, Config, DefaultsConfig, candidates, format_table, run_defaults
-from hetmoe.kernels.dispatch import engine_module, int_vector_widths, weight_prefetch
+from hetmoe.kernels.dispatch import engine_module, int_vector_widths, weight_prefetches
 from hetmoe.runtime.engine_layout import GEMV_ALL_TOKENS
 from hetmoe.runtime.tuning import TOKENS_PER_EXPERT
 
@@ -43,7 +43,7 @@ def test_switches_at_or_above_the_token_count_are_one_candidate() -> None:
 @pytest.mark.skipif(not engine_module().cpu_features()["can_avx512"], reason="the 256/512-bit choice is AVX-512's")
 def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
     mod = engine_module()
-    before = (int_vector_widths(), weight_prefetch(), mod.selected_isa())
+    before = (int_vector_widths(), weight_prefetches(), mod.selected_isa())
     cfg = DefaultsConfig(
         methods=("int4", "bf16"), tokens=(1, 6), reps=2, experts=8, hidden=256, intermediate=128, top_k=2
     )
@@ -62,6 +62,6 @@ def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
         # ratio of the kept times is within ~1.5e-3 of the kept ratio.
         assert r["ratio"] == pytest.approx(r["default_ms"] / r["best_ms"], rel=2e-3)
         assert r["default_spread"] >= 1.0
-    assert (int_vector_widths(), weight_prefetch(), mod.selected_isa()) == before  # as it found them
+    assert (int_vector_widths(), weight_prefetches(), mod.selected_isa()) == before  # as it found them
     table = format_table(result)
     assert "worst default/best" in table and f"bound {BOUND}" in table

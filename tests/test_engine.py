@@ -328,10 +328,11 @@ def test_default_gemv_switch_follows_the_vector_width() -> None:
 
 
 def test_weight_prefetch_hint_changes_no_result() -> None:
-    """T0, T1, non-temporal or no weight prefetches: the same bytes, so bit-identical outputs, on fp32
-    and on bf16 activations (the bf16 GEMV's VDPBF16PS loop where the CPU has AVX512-BF16); the
-    environment and the setter choose, and a bad value is a clear error."""
-    from hetmoe.kernels.dispatch import set_weight_prefetch, weight_prefetch
+    """T0, T1, non-temporal or no weight prefetches, for all GEMV families or one: the same bytes, so
+    bit-identical outputs, on fp32 and on bf16 activations (the bf16 GEMV's VDPBF16PS loop where the
+    CPU has AVX512-BF16); each family keeps its own hint; the environment and the setter choose, and
+    a bad value is a clear error."""
+    from hetmoe.kernels.dispatch import PREFETCH_FAMILIES, set_weight_prefetch, weight_prefetches
 
     g = torch.Generator().manual_seed(0)
     w = [torch.randn(4, 256, 512, generator=g) * 0.05, torch.randn(4, 256, 512, generator=g) * 0.05]
@@ -345,21 +346,44 @@ def test_weight_prefetch_hint_changes_no_result() -> None:
                 outs = []
                 for hint in ("nta", "t0", "t1", "none"):
                     set_weight_prefetch(hint)
-                    assert weight_prefetch() == hint
+                    assert weight_prefetches() == dict.fromkeys(PREFETCH_FAMILIES, hint)
+                    outs.append(ce.forward(xx, ids, weights_t))
+                    set_weight_prefetch("t1" if hint == "none" else "none", method)  # its family's alone
+                    assert weight_prefetches() == {f: ("t1" if hint == "none" else "none") if f == method else hint
+                                                   for f in PREFETCH_FAMILIES}  # fmt: skip
                     outs.append(ce.forward(xx, ids, weights_t))
                 assert all(torch.equal(outs[0], o) for o in outs[1:]), (method, xx.dtype)
     finally:
         set_weight_prefetch("default")
     with pytest.raises(ValueError, match="expected one of"):
         set_weight_prefetch("l2")
-    code = "from hetmoe.kernels.dispatch import weight_prefetch; print(weight_prefetch())"
+    with pytest.raises(ValueError, match="family: expected one of"):
+        set_weight_prefetch("t0", "fp4")
+    code = "from hetmoe.kernels.dispatch import weight_prefetches; print(sorted(set(weight_prefetches().values())))"
     for hint in ("nta", "t0", "t1", "none"):
         env = {**os.environ, "HETMOE_WEIGHT_PREFETCH": hint}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-        assert proc.returncode == 0 and proc.stdout.strip() == hint, proc
+        assert proc.returncode == 0 and proc.stdout.strip() == str([hint]), proc
     env = {**os.environ, "HETMOE_WEIGHT_PREFETCH": "always"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 1 and "HETMOE_WEIGHT_PREFETCH='always'" in proc.stderr
+
+
+def test_prefetch_family_of_each_method() -> None:
+    """Each stored layout's GEMV takes its family's hint (kernels.h: prefetch_family, from the traits
+    row's activation layout): the 4- to 6-bit GEMVs "int4", int8 and Q8_0 "int8", bf16 and fp8 "bf16";
+    the codecs stored in another's layout take that one's."""
+    from hetmoe.kernels.dispatch import engine_module
+    from hetmoe.runtime.engine_layout import prefetch_family
+
+    expected = {"bf16": "bf16", "fp8": "bf16", "int8": "int8", "gguf:q8_0": "int8"}
+    for row in engine_module().methods():
+        assert prefetch_family(row["name"]) == expected.get(row["name"], "int4"), row["name"]
+    assert (prefetch_family("gptq"), prefetch_family("int4-asym"), prefetch_family("fp8-channel")) == (
+        "int4",
+        "int4",
+        "bf16",
+    )
 
 
 def test_int_vector_bits_from_the_environment() -> None:

@@ -7,12 +7,15 @@ import torch
 
 from hetmoe.formats import get_codec
 from hetmoe.kernels.dispatch import (
+    PREFETCH_CHOICES,
+    PREFETCH_FAMILIES,
     WIDTH_FAMILIES,
     WIDTH_REGIMES,
     int_vector_bits,
     int_vector_widths,
     set_int_vector_bits,
     set_weight_prefetch,
+    weight_prefetches,
 )
 from hetmoe.runtime import CPUExperts, tuning
 from hetmoe.runtime.cpu_experts import default_gemv_max
@@ -45,8 +48,14 @@ def test_tune_measures_caches_and_applies(small_tuner) -> None:
     widths = record["int_vector_bits"]  # a width for each family of integer GEMVs in each regime
     assert set(widths) == set(WIDTH_FAMILIES) and all(set(r) == set(WIDTH_REGIMES) for r in widths.values())
     assert all(b in (256, 512) for r in widths.values() for b in r.values())
-    assert record["weight_prefetch"] in ("t0", "t1", "nta", "none")
-    assert set(record["timings_ms"]["int4 decode prefetch"]) == {"t0", "t1", "nta", "none"}  # each candidate timed
+    # a weight prefetch for each family of GEMVs, each candidate timed on its family's method, applied
+    assert set(record["weight_prefetch"]) == set(PREFETCH_FAMILIES)
+    assert all(hint in PREFETCH_CHOICES for hint in record["weight_prefetch"].values())
+    for family in PREFETCH_FAMILIES:
+        times = record["timings_ms"][f"{family} decode prefetch"]
+        assert set(times) == set(PREFETCH_CHOICES)
+        assert times[record["weight_prefetch"][family]] == min(times.values())  # (rounding keeps the order)
+    assert weight_prefetches() == record["weight_prefetch"]
     for family in WIDTH_FAMILIES:  # measured apart, decode and 8 tokens an expert
         assert {f"{family} gemv decode", f"{family} gemv 8 tokens/expert"} <= set(record["timings_ms"]) or (
             record["isa"] == "avx2"
@@ -82,6 +91,19 @@ def test_tune_off_and_overrides(small_tuner, monkeypatch) -> None:
         set_int_vector_bits(other)
         tuning.apply(record)
         assert int_vector_bits("int4", "prompt") == other
+    # HETMOE_WEIGHT_PREFETCH outranks the record's hints, for the process that tunes too
+    hint = next(h for h in PREFETCH_CHOICES if h != record["weight_prefetch"]["int4"])
+    monkeypatch.setenv("HETMOE_WEIGHT_PREFETCH", hint)
+    set_weight_prefetch(hint)
+    tuning.apply(record)
+    assert weight_prefetches() == dict.fromkeys(PREFETCH_FAMILIES, hint)
+    record = tuning.tune()
+    assert weight_prefetches() == dict.fromkeys(PREFETCH_FAMILIES, hint)
+    monkeypatch.delenv("HETMOE_WEIGHT_PREFETCH")
+    tuning.apply(record)  # without it, the record's hint for each family
+    assert weight_prefetches() == record["weight_prefetch"]
+    tuning.apply({**record, "weight_prefetch": {"int4": "l2", "fp4": "t0"}})  # an untrusted file's entries: skipped
+    assert weight_prefetches() == record["weight_prefetch"]
 
 
 def test_tuning_keeps_the_width_the_environment_sets(small_tuner, monkeypatch) -> None:

@@ -42,11 +42,20 @@ from ..kernels.dispatch import (
     int_vector_widths,
     set_int_vector_bits,
     set_weight_prefetch,
-    weight_prefetch,
+    weight_prefetches,
 )
 from ..runtime.cpu_experts import CPUExperts, default_gemv_max
-from ..runtime.engine_layout import GEMV_ALL_TOKENS, WIDE_GEMV_METHODS, gemv_width_family
-from ..runtime.tuning import EXPERTS, HIDDEN, INTERMEDIATE, TOKENS_PER_EXPERT, TOP_K, apply_widths, choices
+from ..runtime.engine_layout import GEMV_ALL_TOKENS, WIDE_GEMV_METHODS, gemv_width_family, prefetch_family
+from ..runtime.tuning import (
+    EXPERTS,
+    HIDDEN,
+    INTERMEDIATE,
+    TOKENS_PER_EXPERT,
+    TOP_K,
+    apply_prefetches,
+    apply_widths,
+    choices,
+)
 from .moe import DEFAULT_TOKENS
 
 BOUND = 1.10  # the issue's: the default within 10% of the best configuration
@@ -54,7 +63,8 @@ BOUND = 1.10  # the issue's: the default within 10% of the best configuration
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration: kernel variant, integer GEMV width, weight prefetch, GEMV/GEMM switch."""
+    """One configuration: kernel variant, integer GEMV width, weight prefetch (of the method's family),
+    GEMV/GEMM switch."""
 
     isa: str
     bits: int  # the method's integer GEMVs' width; 0: the tuned widths (one per regime: decode, prompt)
@@ -148,7 +158,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
     mod = engine_module()
     selected = mod.selected_isa()
     # the defaults, read before any candidate changes them, and put back at the end
-    widths, prefetch = int_vector_widths(), weight_prefetch()
+    widths, prefetches = int_vector_widths(), weight_prefetches()
     flush = CacheFlush(2 * last_level_cache_bytes())
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the runtime runs the engine: torch's OpenMP workers off the cores
@@ -161,7 +171,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
                     ((cfg.intermediate, cfg.hidden), (cfg.intermediate, cfg.hidden), (cfg.hidden, cfg.intermediate))
                 )
             ]
-            default = default_config(layer, selected, prefetch)
+            default = default_config(layer, selected, prefetches[prefetch_family(method)])
             family = gemv_width_family(method)
             engines: dict[tuple[str, int], CPUExperts] = {}
             for tokens in cfg.tokens:
@@ -179,7 +189,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
                             set_int_vector_bits(c.bits, family)
                         else:
                             apply_widths(widths)
-                        set_weight_prefetch(c.prefetch)
+                        set_weight_prefetch(c.prefetch, prefetch_family(method))
                         engine = engines[(c.isa, c.gemv_max)]
                         x, ids, w = _inputs(cfg, tokens, gen)
                         flush()
@@ -207,7 +217,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
         torch.set_num_threads(torch_threads)
         select_isa(selected)
         apply_widths(widths)
-        set_weight_prefetch(prefetch)
+        apply_prefetches(prefetches)
     layer = f"{cfg.experts} experts of {cfg.hidden} x {cfg.intermediate}, top-{cfg.top_k}"
     return {
         "threads": engine_module().num_threads(),

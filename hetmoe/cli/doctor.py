@@ -151,6 +151,16 @@ def _widths(widths: object) -> str:
     return ", ".join(parts) + " bits wide"
 
 
+def _prefetches(hints: object) -> str:
+    """Each GEMV family's weight prefetch (kernels.dispatch.weight_prefetches): "int4 t1, int8 none,
+    bf16 none"; one hint where they agree."""
+    if not isinstance(hints, dict):
+        return str(hints)
+    if len(set(hints.values())) == 1:
+        return str(next(iter(hints.values())))
+    return ", ".join(f"{family} {hint}" for family, hint in hints.items())
+
+
 def _tokens(gemv_max: int) -> str:
     from ..runtime.engine_layout import GEMV_ALL_TOKENS
 
@@ -173,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if eng.get("available"):
         print(
             f"engine   best variant {eng['best']}, selected {eng['selected']}, "
-            f"integer GEMVs {_widths(eng['int_vector_bits'])}, weight prefetch {eng['weight_prefetch']}"
+            f"integer GEMVs {_widths(eng['int_vector_bits'])}, weight prefetch {_prefetches(eng['weight_prefetch'])}"
         )
         pool = eng["pool"]
         if "error" in pool:
@@ -205,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             switch = ", ".join(f"{m} {_tokens(v)}" for m, v in tr["gemv_max"].items())
             print(
                 f"tuned    integer GEMVs {_widths(tr['int_vector_bits'])}, "
-                f"weight prefetch {tr.get('weight_prefetch', '-')}; "
+                f"weight prefetch {_prefetches(tr.get('weight_prefetch', '-'))}; "
                 f"GEMV up to (tokens an expert): {switch} "
                 f"({tr['isa']}, {tr['measured_at']}, {tr['seconds']} s)"
             )

@@ -28,6 +28,9 @@ INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
 WEIGHT_PREFETCH_ENV = "HETMOE_WEIGHT_PREFETCH"
 _PREFETCH_HINTS = {"t0": 0, "nta": 1, "t1": 2, "none": 3, "default": -1}  # the engine's WeightPrefetch (kernels.h)
 PREFETCH_CHOICES = ("t0", "t1", "nta", "none")
+# The engine's PrefetchFamily (kernels.h), named after the method the tuner measures each by: the 4- to
+# 6-bit GEMVs, int8's and Q8_0's, bf16's and fp8's.
+PREFETCH_FAMILIES = {"int4": 0, "int8": 1, "bf16": 2}
 _PREFETCH_NAMES = {_PREFETCH_HINTS[c]: c for c in PREFETCH_CHOICES}  # the engine's value -> its name
 _module: ModuleType | None = None
 
@@ -58,7 +61,7 @@ def engine_module() -> ModuleType:
         if hint:
             if hint not in _PREFETCH_HINTS:
                 raise ValueError(f"{WEIGHT_PREFETCH_ENV}={hint!r}: expected one of {sorted(_PREFETCH_HINTS)}")
-            _C.set_weight_prefetch(_PREFETCH_HINTS[hint])
+            _C.set_weight_prefetch(_PREFETCH_HINTS[hint], -1)  # every family
         _module = _C
     return _module
 
@@ -159,19 +162,30 @@ def gemv_width_family(layout: str) -> str | None:
     return _width_families[layout]
 
 
-def set_weight_prefetch(hint: str) -> None:
+def set_weight_prefetch(hint: str, family: str | None = None) -> None:
     """How the GEMVs prefetch weight rows: ``t0`` (into every cache level), ``t1`` (into L2 and
     outward, not L1), ``nta`` (non-temporal), ``none`` (the hardware's prefetchers alone) or
-    ``default`` (nta on AMD, t0 elsewhere); applies from
+    ``default`` (nta on AMD, t0 elsewhere), for one family of GEMVs (``PREFETCH_FAMILIES``: ``"int4"``,
+    ``"int8"``, ``"bf16"``; engine_layout.prefetch_family names a method's) or all of them (None); applies from
     the next engine call. Results do not change, only which caches the streamed weights pass through."""
     if hint not in _PREFETCH_HINTS:
         raise ValueError(f"weight prefetch: expected one of {sorted(_PREFETCH_HINTS)}, got {hint!r}")
-    engine_module().set_weight_prefetch(_PREFETCH_HINTS[hint])
+    index = -1 if family is None else PREFETCH_FAMILIES.get(family)
+    if index is None:
+        raise ValueError(f"weight prefetch family: expected one of {sorted(PREFETCH_FAMILIES)}, got {family!r}")
+    engine_module().set_weight_prefetch(_PREFETCH_HINTS[hint], index)
 
 
-def weight_prefetch() -> str:
-    """The GEMVs' weight prefetch now: ``t0``, ``t1``, ``nta`` or ``none``."""
-    return _PREFETCH_NAMES[engine_module().weight_prefetch()]
+def weight_prefetch(family: str) -> str:
+    """``family``'s weight prefetch now: ``t0``, ``t1``, ``nta`` or ``none``."""
+    if family not in PREFETCH_FAMILIES:
+        raise ValueError(f"weight prefetch family: expected one of {sorted(PREFETCH_FAMILIES)}, got {family!r}")
+    return _PREFETCH_NAMES[engine_module().weight_prefetch(PREFETCH_FAMILIES[family])]
+
+
+def weight_prefetches() -> dict[str, str]:
+    """Every family's weight prefetch now: ``{"int4": "t1", "int8": "none", "bf16": "none"}``."""
+    return {f: weight_prefetch(f) for f in PREFETCH_FAMILIES}
 
 
 def isa_report() -> dict[str, Any]:
@@ -186,7 +200,7 @@ def isa_report() -> dict[str, Any]:
         "best": mod.best_isa(),
         "selected": mod.selected_isa(),
         "int_vector_bits": int_vector_widths() if mod.selected_isa() != "avx2" else 256,
-        "weight_prefetch": weight_prefetch(),
+        "weight_prefetch": weight_prefetches(),
         "pool": pool_report(),
     }
 

@@ -76,6 +76,18 @@ def gemv_width_family(method: str) -> str:
         return "int4"
 
 
+def prefetch_family(method: str) -> str:
+    """The weight-prefetch family (kernels.dispatch.PREFETCH_FAMILIES) of ``method``'s GEMV: its
+    integer GEMV family, or "bf16" for the GEMVs on float arithmetic (bf16, fp8); "int4" as
+    gemv_width_family says for a GGUF type without a row of its own."""
+    from ..kernels.dispatch import gemv_width_family as layout_family
+
+    try:
+        return layout_family(_LAYOUT_OF.get(method, method)) or "bf16"
+    except KeyError:
+        return "int4"
+
+
 @dataclass
 class EngineProjection:
     """One projection ``[E, N, K]`` as the engine reads it."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from ..kernels.cache_flush import CacheFlush, last_level_cache_bytes
 from ..kernels.dispatch import (
     INT_VECTOR_BITS_ENV,
     PREFETCH_CHOICES,
+    PREFETCH_FAMILIES,
     WEIGHT_PREFETCH_ENV,
     WIDTH_FAMILIES,
     WIDTH_REGIMES,
@@ -55,13 +57,14 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 15: the weight prefetch has a fourth candidate, none (the bf16 GEMV on bf16 activations streams
+# 16: the weight prefetch per family of GEMVs (the 4-bit ones prefer a software prefetch on a Zen 4,
+# int8 and bf16 none); 15: the weight prefetch has a fourth candidate, none (the bf16 GEMV on bf16 activations streams
 # faster without it on a Zen 4); 14: the weight prefetch has a third candidate, T1; 13: the AMX
 # digit GEMMs convert their sums behind the next tile's products (the GEMV/GEMM switch points move);
 # 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
 # pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit
 # GEMMs on AMX take int8 digit tiles)
-TUNING_VERSION = 15
+TUNING_VERSION = 16
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -128,26 +131,26 @@ def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.
 _flush: CacheFlush | None = None
 
 
-def _best_times(runs: dict[str, Any], inputs: tuple, reps: int = 3) -> dict[str, float]:
-    """Best-of-``reps`` seconds of each candidate (a callable running one forward), alternating, each
-    after the caches were evicted: the small layer would otherwise sit in a large L3 (300 MiB on a
-    Xeon here), while a real model's layers stream from DRAM. Between the eviction and the clock each
-    runs once with no token routed: in a model the layer's code ran a millisecond earlier and is in
-    the cache, the weights are not (bench/moe.py's _time)."""
+def _best_times(runs: dict[str, Any], inputs: tuple, reps: int = 3, stat: Any = min) -> dict[str, float]:
+    """Best-of-``reps`` seconds (or another ``stat`` of them) of each candidate (a callable running one
+    forward), alternating, each after the caches were evicted: the small layer would otherwise sit in
+    a large L3 (300 MiB on a Xeon here), while a real model's layers stream from DRAM. Between the
+    eviction and the clock each runs once with no token routed: in a model the layer's code ran a
+    millisecond earlier and is in the cache, the weights are not (bench/moe.py's _time)."""
     global _flush
     if _flush is None:
         _flush = CacheFlush(2 * last_level_cache_bytes())
     x, ids, w = inputs
     idle = (x, torch.full_like(ids, -1), w)
-    best = {name: float("inf") for name in runs}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, run in runs.items():
             _flush()
             run(*idle)
             t0 = time.perf_counter()
             run(*inputs)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            seconds[name].append(time.perf_counter() - t0)
+    return {name: stat(v) for name, v in seconds.items()}
 
 
 def tune(log=None) -> dict[str, Any]:
@@ -187,21 +190,24 @@ def tune(log=None) -> dict[str, Any]:
             set_int_vector_bits(int(env_bits))
         else:
             apply_widths(chosen)
-        # How the GEMVs prefetch the rows they stream (dispatch.PREFETCH_CHOICES), on decode steps of
-        # the three main families.
-        total = dict.fromkeys(PREFETCH_CHOICES, 0.0)
-        decoders = {
-            m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in ("bf16", "int8", "int4")
-        }
+        # How each family of GEMVs prefetches the rows it streams (dispatch.PREFETCH_CHOICES), on
+        # decode steps of the method that names it (dispatch.PREFETCH_FAMILIES).
+        record["weight_prefetch"] = {}
         decode = _inputs(1)
-        for m, ce in decoders.items():
-            runs = {h: (lambda *a, h=h, ce=ce: (set_weight_prefetch(h), ce.forward(*a))) for h in total}
-            times = _best_times(runs, decode, reps=5)
-            for h in total:
-                total[h] += times[h]
+        for m in PREFETCH_FAMILIES:
+            ce = CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False)
+            runs = {
+                h: (lambda *a, h=h, m=m, ce=ce: (set_weight_prefetch(h, m), ce.forward(*a))) for h in PREFETCH_CHOICES
+            }
+            # medians of 15: the hints differ by a few percent, less than a best-of-5 varies by on a VM
+            times = _best_times(runs, decode, reps=15, stat=statistics.median)
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
-        record["weight_prefetch"] = min(total, key=lambda h: total[h])
-        set_weight_prefetch(record["weight_prefetch"])  # the switch points below are measured with it
+            record["weight_prefetch"][m] = min(times, key=lambda h: times[h])
+        env_hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
+        if env_hint:  # the override holds for this process (as the width's); the switches are measured with it
+            set_weight_prefetch(env_hint)
+        else:
+            apply_prefetches(record["weight_prefetch"])  # the switch points below are measured with them
         log(f"tuned the GEMVs' weight prefetch: {record['weight_prefetch']}")
         for m in TUNED_METHODS:
             paths = {
@@ -281,9 +287,18 @@ def apply(record: dict[str, Any]) -> None:
     widths = record.get("int_vector_bits")
     if isinstance(widths, dict) and not os.environ.get(INT_VECTOR_BITS_ENV, "").strip():
         apply_widths(widths)
-    hint = record.get("weight_prefetch")
-    if hint in PREFETCH_CHOICES and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
-        set_weight_prefetch(hint)
+    hints = record.get("weight_prefetch")
+    if isinstance(hints, dict) and not os.environ.get(WEIGHT_PREFETCH_ENV, "").strip():
+        apply_prefetches(hints)
+
+
+def apply_prefetches(hints: dict[str, Any]) -> None:
+    """Set each family's weight prefetch that ``hints`` gives (a record's ``weight_prefetch``, or
+    kernels.dispatch.weight_prefetches() taken earlier); entries naming no family or hint are
+    skipped (a cache file is not trusted)."""
+    for family, hint in hints.items():
+        if family in PREFETCH_FAMILIES and hint in PREFETCH_CHOICES:
+            set_weight_prefetch(hint, family)
 
 
 def apply_widths(widths: dict[str, Any]) -> None:
