@@ -730,6 +730,18 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("family"));
   m.def(
+      "set_activation_bits",
+      [](int bits) {
+        if (bits != 8 && bits != 16)
+          throw py::value_error("activation bits: expected 16 (int16-level, the default) or 8, found " +
+                                std::to_string(bits));
+        g_act_one_digit = bits == 8;
+      },
+      py::arg("bits"),
+      "the 4- to 6-bit GEMVs' activations: 16 (int16-level codes, two int8 digits) or 8 (one digit: "
+      "llama.cpp's Q8 accuracy, the 512-bit GEMVs run half their products); from the next job (kernels.h)");
+  m.def("activation_bits", [] { return g_act_one_digit.load() ? 8 : 16; });
+  m.def(
       "buffer_cache_stats",
       [] {
         py::dict d;

@@ -84,6 +84,7 @@ int default_weight_prefetch() { return cpu_features().amd ? kPrefetchNta : kPref
 
 std::atomic<int> g_weight_prefetch[kPrefetchFamilies] = {default_weight_prefetch(), default_weight_prefetch(),
                                                          default_weight_prefetch()};
+std::atomic<bool> g_act_one_digit{false};
 const int g_fp32_x_shared_min_k = cpu_features().l1d_bytes / 2 / int(sizeof(float));
 
 }  // namespace hetmoe

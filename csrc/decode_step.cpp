@@ -71,6 +71,7 @@ void head_gemv(const KernelTable* kt, const Proj& p, int64_t heads, const float*
       act = &buffers[buffers[0].K != 0];
       act->allocate(1, p.k, mode);
     }
+    act->one_digit = engine::act_one_digit(p.method);  // a buffer kept from an earlier call
     const float* xh = x + h * x_stride;
     act->quantize(kt, xh, 0);
     const Act a = act->act(xh, 0);

@@ -193,6 +193,13 @@ inline int gemv_bits(int mode, int tokens) {
   return g_int_vector_bits[width_family(mode)][regime].load(std::memory_order_relaxed);
 }
 
+// Whether a method's GEMV activations are quantized to int8 level (g_act_one_digit: the 4- to 6-bit
+// GEMVs, whatever layout their width gives them), read once a job so that all its rows are alike.
+inline bool act_one_digit(int method) {
+  const int mode = method_traits(method).gemv_act;
+  return mode != kActNone && mode != kActNatural && g_act_one_digit.load(std::memory_order_relaxed);
+}
+
 // The activation layout each method's GEMV kernel reads (Act in kernels.h), at the width it runs in a
 // job whose busiest expert (or linear) has `tokens` tokens.
 inline int act_quant_for(const KernelTable* kt, int method, int K, int tokens) {
@@ -284,13 +291,15 @@ struct NodeRowItems {
 // Activation rows in the layout a method's GEMV kernel wants.
 struct ActBuffers {
   int K = 0, mode = kActNone;
+  bool one_digit = false;  // the codes at int8 level (act_one_digit of the method the rows are for)
   Buf<int16_t> q;
   Buf<float> d;
   Buf<int32_t> sum;
 
-  void allocate(int rows, int k, int m) {
+  void allocate(int rows, int k, int m, bool one = false) {
     K = k;
     mode = m;
+    one_digit = one && mode != kActNone;
     if (mode == kActNone) return;
     q = uninit<int16_t>(size_t(rows) * K);
     d = uninit<float>(size_t(rows) * (K / kActBlock));
@@ -299,12 +308,14 @@ struct ActBuffers {
   void quantize(const KernelTable* kt, const float* row, int r) {
     if (mode == kActNone) return;
     const size_t nb = K / kActBlock;
-    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * act_sums(mode, K));
+    kt->quantize_row(row, K, mode, q.get() + size_t(r) * K, d.get() + r * nb, sum.get() + r * act_sums(mode, K),
+                     one_digit);
   }
   Act act(const float* row, int r) const {
     Act a;
     a.f = row;
     a.wide = act_is_wide(mode);
+    a.one_digit = one_digit;
     if (mode != kActNone) {
       const size_t nb = K / kActBlock;
       a.q = q.get() + size_t(r) * K;

@@ -69,7 +69,16 @@ struct Act {
   // The same row in bf16, where the caller's activations were bf16 (so `f` holds the same values) and
   // the CPU has AVX512-BF16 (engine_common.h: bf16_x): the bf16 GEMV multiplies on it (VDPBF16PS).
   const uint16_t* h = nullptr;
+  // Codes quantized at int8 level (engine_common.h: act_one_digit): a digit layout's lo digits all 0,
+  // which the 512-bit digit GEMVs then skip; every other GEMV reads the codes as they are.
+  bool one_digit = false;
 };
+// The explicit, lower-accuracy choice for the 4- to 6-bit GEMVs' activations (HETMOE_ACTIVATION_BITS=8):
+// each block's codes rounded to int8 (256 * round(127 x / amax): llama.cpp's Q8 activations, ~4e-3
+// relative where the default's int16-level codes give ~1.5e-5), so that the 512-bit digit GEMVs run
+// half their VPDPBUSDs. Read when a job allocates its activation buffers (engine_common.h:
+// act_one_digit), so a change applies to the next job. Off by default.
+extern std::atomic<bool> g_act_one_digit;
 
 // The 512-bit GEMVs' layouts, for the whole groups of 8 blocks of a row (kernels_common.inc; the blocks
 // after the last whole group stay in the 256-bit layout, act_tail_layout): kActQuads,
@@ -125,8 +134,9 @@ struct KernelTable {
   // only where the CPU has AVX512-BF16 (engine_common.h: bf16_dot).
   void (*gemm_bf16)(const uint16_t* w, int64_t w_stride, int R, int K, const uint16_t* const* a, int T, float* c,
                     int ldc);
-  // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act.
-  void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum);
+  // Quantize one fp32 row of K (a multiple of 32) to int16 blocks as described at Act; the codes
+  // rounded to multiples of 256 (int8 level: g_act_one_digit) where `one_digit`.
+  void (*quantize_row)(const float* x, int K, int mode, int16_t* q, float* d, int32_t* sum, bool one_digit);
   // The layout a method's GEMV reads for rows of K with its GEMVs `bits` wide (engine_common.h:
   // gemv_bits): kActPairs and kActNatural become their 512-bit layouts at 512 bits (K a multiple of
   // 256); the GGUF digit layouts (512-bit only) become kActNatural where the GEMVs do not run 512 wide.
@@ -214,10 +224,12 @@ inline int width_family(int mode) { return mode == kActNatural ? kWidthNatural :
 extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // How the GEMVs prefetch the weight rows they stream (kernels_common.inc: prefetch_line): into every
 // cache level (T0), non-temporally (NTA), into L2 and outward but not L1 (T1), or not at all (the
-// hardware's prefetchers alone). Per family of GEMVs, which the tuner measures apart because they
+// hardware's prefetchers alone). Per family of GEMVs, which the tuner measures apart because they can
 // disagree: on an AMD EPYC (Zen 4, 2 threads, a Qwen3-30B-A3B layer's 1-token decode from DRAM, 40
-// alternating rounds, medians) the 4-bit GEMVs, whose arithmetic keeps the core busy, ran 5-14%
-// faster with a software prefetch than without, int8 and bf16 2-11% slower. Families: [kPrefetchDigits]
+// alternating rounds, medians) the 4-bit GEMVs, whose arithmetic keeps the core busy, once ran 5-14%
+// faster with a software prefetch than without while int8 and bf16 ran 2-11% slower (an earlier
+// tuning there had int4 12% faster with NTA, bf16 16% slower); an hour later all within 3% of none.
+// Families: [kPrefetchDigits]
 // and [kPrefetchNatural] as the widths' (kWidthDigits: the 4- to 6-bit GEMVs, kWidthNatural: int8,
 // Q8_0), [kPrefetchFloat] the GEMVs on fp32 or bf16 arithmetic (bf16, fp8). Atomic for the same
 // reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).

@@ -120,7 +120,8 @@ double measure_chunked_read(const uint8_t* buf, int64_t bytes, int64_t chunk, in
   for (int r = 0; r < reps; ++r) {
     for (auto& o : offsets) o = int64_t(rng() % uint64_t(slots)) * chunk;
     auto job = std::make_shared<ForJob>(int(pieces), [&](int i) {
-      sink.fetch_add(read_chunk(buf + offsets[i], chunk, g_weight_prefetch[kPrefetchFloat].load(std::memory_order_relaxed) == kPrefetchNta), std::memory_order_relaxed);
+      const bool nta = g_weight_prefetch[kPrefetchFloat].load(std::memory_order_relaxed) == kPrefetchNta;
+      sink.fetch_add(read_chunk(buf + offsets[i], chunk, nta), std::memory_order_relaxed);
     });
     const auto t0 = Clock::now();
     pool->submit(job);

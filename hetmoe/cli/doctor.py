@@ -181,9 +181,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"caches   {', '.join(f'{k} {v}' for k, v in cpu['caches'].items()) or '-'}")
     eng = r["engine"]
     if eng.get("available"):
+        int8_act = eng.get("activation_bits") == 8
         print(
             f"engine   best variant {eng['best']}, selected {eng['selected']}, "
             f"integer GEMVs {_widths(eng['int_vector_bits'])}, weight prefetch {_prefetches(eng['weight_prefetch'])}"
+            + (", 4- to 6-bit GEMVs on int8 activations (HETMOE_ACTIVATION_BITS=8)" if int8_act else "")
         )
         pool = eng["pool"]
         if "error" in pool:

@@ -13,8 +13,12 @@ them) or :func:`set_int_vector_bits` chooses.
 The GEMVs prefetch the weight rows they stream ahead of use: before tuning non-temporally on AMD (a
 row read once a step then stops evicting what the step reuses: measured faster on Zen 5) and into
 every cache level (T0) elsewhere; the tuner measures T0, T1 (into L2, not L1: the faster one on an
-AMX Xeon), NTA and none (the hardware's prefetchers alone);
-``HETMOE_WEIGHT_PREFETCH=t0|t1|nta|none`` or :func:`set_weight_prefetch` chooses.
+AMX Xeon), NTA and none (the hardware's prefetchers alone) for each family of GEMVs;
+``HETMOE_WEIGHT_PREFETCH=t0|t1|nta|none`` (all of them) or :func:`set_weight_prefetch` chooses.
+
+The 4- to 6-bit GEMVs' activations are int16-level codes (two int8 digits a code); int8 codes as
+llama.cpp's, half the products, are an explicit lower-accuracy choice:
+``HETMOE_ACTIVATION_BITS=8`` or :func:`set_activation_bits`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 ISA_ENV = "HETMOE_ISA"
 INT_VECTOR_BITS_ENV = "HETMOE_INT_VECTOR_BITS"
 WEIGHT_PREFETCH_ENV = "HETMOE_WEIGHT_PREFETCH"
+ACTIVATION_BITS_ENV = "HETMOE_ACTIVATION_BITS"
 _PREFETCH_HINTS = {"t0": 0, "nta": 1, "t1": 2, "none": 3, "default": -1}  # the engine's WeightPrefetch (kernels.h)
 PREFETCH_CHOICES = ("t0", "t1", "nta", "none")
 # The engine's PrefetchFamily (kernels.h), named after the method the tuner measures each by: the 4- to
@@ -62,6 +67,11 @@ def engine_module() -> ModuleType:
             if hint not in _PREFETCH_HINTS:
                 raise ValueError(f"{WEIGHT_PREFETCH_ENV}={hint!r}: expected one of {sorted(_PREFETCH_HINTS)}")
             _C.set_weight_prefetch(_PREFETCH_HINTS[hint], -1)  # every family
+        act_bits = os.environ.get(ACTIVATION_BITS_ENV, "").strip()
+        if act_bits:
+            if act_bits not in ("8", "16"):
+                raise ValueError(f"{ACTIVATION_BITS_ENV}={act_bits!r}: expected 8 or 16")
+            _C.set_activation_bits(int(act_bits))
         _module = _C
     return _module
 
@@ -183,6 +193,23 @@ def weight_prefetch(family: str) -> str:
     return _PREFETCH_NAMES[engine_module().weight_prefetch(PREFETCH_FAMILIES[family])]
 
 
+def set_activation_bits(bits: int) -> None:
+    """The 4- to 6-bit GEMVs' activations (int4, GPTQ, MXFP4 and the GGUF types but Q8_0): 16, the
+    default, quantizes each block of 32 to int16-level codes (~1.5e-5 relative), which the GEMVs
+    take as two int8 digits; 8, an explicit lower-accuracy choice, to int8 codes as llama.cpp's Q8
+    activations (~4e-3 relative), which the 512-bit GEMVs take with half the products (decode from
+    DRAM up to ~20% faster where the GEMV's arithmetic, not the memory, is the limit: an AMD Zen 4).
+    The int8, Q8_0, bf16 and fp8 GEMVs are unchanged. Applies from the next engine call."""
+    if bits not in (8, 16):
+        raise ValueError(f"activation bits: expected 8 or 16, got {bits!r}")
+    engine_module().set_activation_bits(int(bits))
+
+
+def activation_bits() -> int:
+    """The 4- to 6-bit GEMVs' activation bits now (set_activation_bits): 16 or 8."""
+    return int(engine_module().activation_bits())
+
+
 def weight_prefetches() -> dict[str, str]:
     """Every family's weight prefetch now: ``{"int4": "t1", "int8": "none", "bf16": "none"}``."""
     return {f: weight_prefetch(f) for f in PREFETCH_FAMILIES}
@@ -201,6 +228,7 @@ def isa_report() -> dict[str, Any]:
         "selected": mod.selected_isa(),
         "int_vector_bits": int_vector_widths() if mod.selected_isa() != "avx2" else 256,
         "weight_prefetch": weight_prefetches(),
+        "activation_bits": activation_bits(),
         "pool": pool_report(),
     }
 

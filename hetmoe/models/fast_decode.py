@@ -542,9 +542,11 @@ def _shared_engines(routing: BlockRouting) -> tuple[tuple[Any, ...], Any] | None
     if routing.shared is None:
         return NO_MLP, None
     engines = mlp_engines(routing.shared)
+    if engines is None:
+        return None
     gate = routing.shared_gate
-    if engines is None or gate is None:
-        return None if engines is None else (engines, None)
+    if gate is None:
+        return engines, None
     linear = engine_linear(gate.weight, getattr(gate, "bias", None))
     return None if linear is None else (engines, linear._engine)
 

@@ -57,10 +57,11 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 16: the weight prefetch per family of GEMVs (the 4-bit ones prefer a software prefetch on a Zen 4,
-# int8 and bf16 none); 15: the weight prefetch has a fourth candidate, none (the bf16 GEMV on bf16 activations streams
-# faster without it on a Zen 4); 14: the weight prefetch has a third candidate, T1; 13: the AMX
-# digit GEMMs convert their sums behind the next tile's products (the GEMV/GEMM switch points move);
+# 16: the weight prefetch per family of GEMVs (on a Zen 4 the 4-bit ones have at times streamed
+# faster with a software prefetch, bf16 without); 15: the weight prefetch has a fourth candidate,
+# none (the bf16 GEMV on bf16 activations streams faster without it on a Zen 4); 14: the weight
+# prefetch has a third candidate, T1; 13: the AMX digit GEMMs convert their sums behind the next
+# tile's products (the GEMV/GEMM switch points move);
 # 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
 # pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit
 # GEMMs on AMX take int8 digit tiles)
@@ -131,8 +132,8 @@ def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.
 _flush: CacheFlush | None = None
 
 
-def _best_times(runs: dict[str, Any], inputs: tuple, reps: int = 3, stat: Any = min) -> dict[str, float]:
-    """Best-of-``reps`` seconds (or another ``stat`` of them) of each candidate (a callable running one
+def _candidate_times(runs: dict[str, Any], inputs: tuple, reps: int = 3, stat: Any = min) -> dict[str, float]:
+    """The best of ``reps`` seconds (or another ``stat`` of them) of each candidate (a callable running one
     forward), alternating, each after the caches were evicted: the small layer would otherwise sit in
     a large L3 (300 MiB on a Xeon here), while a real model's layers stream from DRAM. Between the
     eviction and the clock each runs once with no token routed: in a model the layer's code ran a
@@ -180,7 +181,7 @@ def tune(log=None) -> dict[str, Any]:
                         str(b): (lambda *a, b=b, m=m, ce=ce: (set_int_vector_bits(b, m), ce.forward(*a)))
                         for b in widths
                     }
-                    times = _best_times(runs, inputs, reps=reps)
+                    times = _candidate_times(runs, inputs, reps=reps)
                     record["timings_ms"][f"{m} gemv {label}"] = {b: round(v * 1e3, 3) for b, v in times.items()}
                     chosen[m][regime] = min(widths, key=lambda b: times[str(b)])
             log(f"tuned the integer GEMVs' widths: {chosen}")
@@ -200,7 +201,7 @@ def tune(log=None) -> dict[str, Any]:
                 h: (lambda *a, h=h, m=m, ce=ce: (set_weight_prefetch(h, m), ce.forward(*a))) for h in PREFETCH_CHOICES
             }
             # medians of 15: the hints differ by a few percent, less than a best-of-5 varies by on a VM
-            times = _best_times(runs, decode, reps=15, stat=statistics.median)
+            times = _candidate_times(runs, decode, reps=15, stat=statistics.median)
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
             record["weight_prefetch"][m] = min(times, key=lambda h: times[h])
         env_hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
@@ -219,7 +220,7 @@ def tune(log=None) -> dict[str, Any]:
             # at 16 experts, the GEMV was 15% faster at Qwen3-30B-A3B's 128).
             switch, last = 1, None
             for tpe in TOKENS_PER_EXPERT[1:]:
-                times = _best_times({k: ce.forward for k, ce in paths.items()}, _inputs(tpe), reps=3)
+                times = _candidate_times({k: ce.forward for k, ce in paths.items()}, _inputs(tpe), reps=3)
                 record["timings_ms"][f"{m} {tpe} tokens/expert"] = {k: round(v * 1e3, 3) for k, v in times.items()}
                 if times["gemv"] > SWITCH_MARGIN * times["gemm"]:
                     if last is not None:
