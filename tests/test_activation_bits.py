@@ -140,3 +140,14 @@ def test_activation_bits_setting() -> None:
     env = {**os.environ, "HETMOE_ACTIVATION_BITS": "12"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 1 and "HETMOE_ACTIVATION_BITS='12'" in proc.stderr
+
+
+def test_a_model_loaded_with_int8_activations_says_so(tiny_cache) -> None:
+    """The choice is named among the load's notes (hetmoe generate -v, summary(), the benchmarks' records)."""
+    from hetmoe import load_model
+
+    path = tiny_cache.model("qwen3_moe")
+    note = "4- to 6-bit GEMVs on int8 activations (HETMOE_ACTIVATION_BITS=8)"
+    assert note not in load_model(path).hetmoe.notes
+    set_activation_bits(8)
+    assert note in load_model(path).hetmoe.notes

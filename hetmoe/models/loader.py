@@ -37,7 +37,7 @@ from ..checkpoint.layout import MoELayout, moe_layout
 from ..formats import get_codec
 from ..formats.base import QuantizedTensor
 from ..gc_pause import freeze_for_decoding, gc_paused
-from ..kernels.dispatch import set_num_threads
+from ..kernels.dispatch import activation_bits, set_num_threads
 from ..kernels.quantize import engine_quantize
 from ..runtime.cpu_experts import ENGINE_METHODS, CPUExperts
 from ..runtime.expert_parallel import ExpertPlacement, RemoteExperts, serve_experts
@@ -286,6 +286,8 @@ def load_model(
         runtime.notes += gguf.notes
     if dev.type == "cpu" and torch_threads_note:
         runtime.notes.append(torch_threads_note)
+    if activation_bits() == 8:  # the explicit lower-accuracy choice, said wherever the notes are shown
+        runtime.notes.append("4- to 6-bit GEMVs on int8 activations (HETMOE_ACTIVATION_BITS=8)")
     runtime.layer_paths = layer_paths(model)
     if ranks is not None:
         runtime.notes.append(f"experts split over {ranks.world} processes ({expert_placement} placement)")
