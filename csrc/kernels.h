@@ -55,7 +55,8 @@ struct Proj {
 
 // One activation row as the kernels want it: fp32 values, and for integer kernels int16 codes
 // in blocks of 32 with a scale per block (amax / 32639: the rounding error is ~1e-5 relative, so
-// integer dot products cost no accuracy worth measuring, unlike int8 activations at ~1e-2).
+// integer dot products cost no accuracy worth measuring, unlike int8 activations at ~5e-3: the
+// explicit choice g_act_one_digit below).
 // kActNatural: each block's codes evens first then odds (k = 0,2,..,30,1,3,..,31), the order a
 // 16-bit lane of weight bytes splits into. kActPairs (4-bit formats): the same codes stored
 // exactly as two int8 digits (256 * hi + lo) for u8 x s8 dot products, in the
@@ -74,8 +75,9 @@ struct Act {
   bool one_digit = false;
 };
 // The explicit, lower-accuracy choice for the 4- to 6-bit GEMVs' activations (HETMOE_ACTIVATION_BITS=8):
-// each block's codes rounded to int8 (256 * round(127 x / amax): llama.cpp's Q8 activations, ~4e-3
-// relative where the default's int16-level codes give ~1.5e-5), so that the 512-bit digit GEMVs run
+// each block's codes rounded to int8 (256 * round(127 x / amax): llama.cpp's Q8 activations, ~5e-3
+// relative on a projection's output where the default's int16-level codes give ~2e-5, measured in
+// tests/test_activation_bits.py), so that the 512-bit digit GEMVs run
 // half their VPDPBUSDs. Read when a job allocates its activation buffers (engine_common.h:
 // act_one_digit), so a change applies to the next job. Off by default.
 extern std::atomic<bool> g_act_one_digit;

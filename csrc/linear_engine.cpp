@@ -55,7 +55,8 @@ class LinearJob final : public Job {
     items_.repeat(T > 0 ? (T + token_chunk_ - 1) / token_chunk_ : 0);
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
     xh_ = bf16_x(kt, x, x_dtype);
-    if (gemv_) x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T), engine::act_one_digit(w.method));  // the GEMM path reads fp32 rows
+    if (gemv_)  // the GEMM path reads fp32 rows
+      x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T), engine::act_one_digit(w.method));
     // AMX: each token chunk packed once (phase 1) for all its row items (engine::GroupTiles), or by its
     // item where it has one (moe_engine.cpp: MoEJob's experts the same way).
     if (!gemv_ && engine::tile_gemm(kt) && T > 0) {

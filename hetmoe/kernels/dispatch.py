@@ -197,8 +197,9 @@ def set_activation_bits(bits: int) -> None:
     """The 4- to 6-bit GEMVs' activations (int4, GPTQ, MXFP4 and the GGUF types but Q8_0): 16, the
     default, quantizes each block of 32 to int16-level codes (~1.5e-5 relative), which the GEMVs
     take as two int8 digits; 8, an explicit lower-accuracy choice, to int8 codes as llama.cpp's Q8
-    activations (~4e-3 relative), which the 512-bit GEMVs take with half the products (decode from
-    DRAM up to ~20% faster where the GEMV's arithmetic, not the memory, is the limit: an AMD Zen 4).
+    activations (~5e-3 relative on a projection's output), which the 512-bit GEMVs take with half the
+    products: where their arithmetic, not the memory, limits decode (an AMD Zen 4: a MoE layer 5-14%
+    faster, a DeepSeek-V3-shaped model's Q4_0 and Q4_K_M decode 11%).
     The int8, Q8_0, bf16 and fp8 GEMVs are unchanged. Applies from the next engine call."""
     if bits not in (8, 16):
         raise ValueError(f"activation bits: expected 8 or 16, got {bits!r}")
