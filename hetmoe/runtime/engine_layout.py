@@ -64,28 +64,28 @@ def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
 _LAYOUT_OF = {"int4-asym": "int4", "gptq": "int4", "fp8-channel": "fp8"}
 
 
-def gemv_width_family(method: str) -> str:
-    """The integer GEMV family (kernels.dispatch.WIDTH_FAMILIES) whose width ``method``'s GEMV runs at:
-    its layout's traits row says; "int4" for a method without an integer GEMV or without a row of its
-    own (GGUF types the engine transcodes: never wide), whose width changes nothing."""
+def _integer_family(method: str) -> str | None:
+    """The integer GEMV family of ``method``'s layout from its traits row ("int4", "int8", or None for
+    a GEMV on float arithmetic); "int4" for a method without a row of its own (GGUF types the engine
+    transcodes: never wide)."""
     from ..kernels.dispatch import gemv_width_family as layout_family
 
     try:
-        return layout_family(_LAYOUT_OF.get(method, method)) or "int4"
+        return layout_family(_LAYOUT_OF.get(method, method))
     except KeyError:
         return "int4"
+
+
+def gemv_width_family(method: str) -> str:
+    """The integer GEMV family (kernels.dispatch.WIDTH_FAMILIES) whose width ``method``'s GEMV runs at;
+    "int4" for a method without an integer GEMV, whose width changes nothing."""
+    return _integer_family(method) or "int4"
 
 
 def prefetch_family(method: str) -> str:
     """The weight-prefetch family (kernels.dispatch.PREFETCH_FAMILIES) of ``method``'s GEMV: its
-    integer GEMV family, or "bf16" for the GEMVs on float arithmetic (bf16, fp8); "int4" as
-    gemv_width_family says for a GGUF type without a row of its own."""
-    from ..kernels.dispatch import gemv_width_family as layout_family
-
-    try:
-        return layout_family(_LAYOUT_OF.get(method, method)) or "bf16"
-    except KeyError:
-        return "int4"
+    integer GEMV family, or "bf16" for the GEMVs on float arithmetic (bf16, fp8)."""
+    return _integer_family(method) or "bf16"
 
 
 @dataclass
