@@ -57,15 +57,17 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS
 
 TUNE_ENV = "HETMOE_TUNE"
-# 16: the weight prefetch per family of GEMVs (on a Zen 4 the 4-bit ones have at times streamed
-# faster with a software prefetch, bf16 without); 15: the weight prefetch has a fourth candidate,
+# 17: the integer GEMVs prefetch again (from version 16's commit on, the compiler had deleted their
+# prefetches, so the 4-bit and int8 families were tuned with every hint a no-op); 16: the weight
+# prefetch per family of GEMVs (on a Zen 4 the 4-bit ones have at times streamed faster with a
+# software prefetch, bf16 without); 15: the weight prefetch has a fourth candidate,
 # none (the bf16 GEMV on bf16 activations streams faster without it on a Zen 4); 14: the weight
 # prefetch has a third candidate, T1; 13: the AMX digit GEMMs convert their sums behind the next
 # tile's products (the GEMV/GEMM switch points move);
 # 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
 # pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit
 # GEMMs on AMX take int8 digit tiles)
-TUNING_VERSION = 16
+TUNING_VERSION = 17
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
