@@ -4,12 +4,13 @@ What is fastest differs between CPUs more than any rule of thumb says: on a Zen 
 GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while AMX tiles win at 512
 (measured, docs/benchmarks.md). So, once per (CPU model, threads, kernel variant), the tuner times:
 
-- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4-bit GEMVs on int4 and
-  the int16-code ones on int8, each on decode and on 8 tokens an expert apart (the engine runs a job
-  whose busiest expert has at most 4 tokens at the decode width);
+- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4-bit GEMVs on int4,
+  Q4_0 and Q4_K together and the int16-code ones on int8, each on decode and on 8 tokens an expert
+  apart (the engine runs a job whose busiest expert has at most 4 tokens at the decode width);
 - how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1,
-  non-temporally, or not at all), on bf16, int8 and int4 decode (on an AMX Xeon non-temporal took 1.3-2.4x as long and
-  L2 was the fastest; on a Zen 5 non-temporal was);
+  non-temporally, or not at all), per family on the decode of its methods together (bf16 and fp8;
+  int8; int4, Q4_0 and Q4_K): on an AMX Xeon non-temporal took 1.3-2.4x as long and L2 was the
+  fastest; on a Zen 5 non-temporal was;
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them; else, for the bf16 activations timed here,
   VDPBF16PS on rows rounded to bf16 where the CPU has AVX512-BF16; else dequantized fp32 panels) at 2 to 64
@@ -54,11 +55,12 @@ from ..kernels.dispatch import (
     set_weight_prefetch,
 )
 from ..kernels.machine import cache_path
-from .engine_layout import GEMV_ALL_TOKENS
+from .engine_layout import GEMV_ALL_TOKENS, prefetch_family
 
 TUNE_ENV = "HETMOE_TUNE"
 # 17: the integer GEMVs prefetch again (from version 16's commit on, the compiler had deleted their
-# prefetches, so the 4-bit and int8 families were tuned with every hint a no-op); 16: the weight
+# prefetches, so the 4-bit and int8 families were tuned with every hint a no-op), and each family's
+# width and prefetch are timed on all its tuned methods together; 16: the weight
 # prefetch per family of GEMVs (on a Zen 4 the 4-bit ones have at times streamed faster with a
 # software prefetch, bf16 without); 15: the weight prefetch has a fourth candidate,
 # none (the bf16 GEMV on bf16 activations streams faster without it on a Zen 4); 14: the weight
@@ -131,6 +133,17 @@ def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.
     return x, ids, torch.softmax(torch.randn(T, TOP_K, generator=g), -1)
 
 
+def _forward_all(gemvs: dict[str, Any], family: str, inputs: tuple) -> None:
+    """One forward of each of ``gemvs``' layers whose GEMVs are of ``family`` (engine_layout's
+    prefetch_family: the integer family, or bf16 for float arithmetic), one after another. A family is
+    timed on all its tuned methods, not on the one that names it: on the AMX Xeon, int4 decoded as fast
+    with T0 as with T1 while Q4_K's GEMV (another loop at 256 bits) streamed 14.8 GB/s with T0 and
+    18.1 with T1, and Q4_0's 16.4 and 18.6."""
+    for m, ce in gemvs.items():
+        if prefetch_family(m) == family:
+            ce.forward(*inputs)
+
+
 _flush: CacheFlush | None = None
 
 
@@ -172,15 +185,15 @@ def tune(log=None) -> dict[str, Any]:
         # Each family's width in each regime on its own: the families and regimes disagree (an AMD Zen 4:
         # int8 decode faster at 256 bits, int8 at 8 tokens an expert and int4 throughout at 512).
         chosen = {f: dict.fromkeys(WIDTH_REGIMES, widths[0]) for f in WIDTH_FAMILIES}
+        gemvs = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in TUNED_METHODS}
         if len(widths) > 1:
-            gemv = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in WIDTH_FAMILIES}
             for regime, label, inputs, reps in (
                 ("decode", "decode", _inputs(1), 15),
                 ("prompt", "8 tokens/expert", _inputs(8), 5),
             ):
-                for m, ce in gemv.items():
+                for m in WIDTH_FAMILIES:
                     runs = {
-                        str(b): (lambda *a, b=b, m=m, ce=ce: (set_int_vector_bits(b, m), ce.forward(*a)))
+                        str(b): (lambda *a, b=b, m=m: (set_int_vector_bits(b, m), _forward_all(gemvs, m, a)))
                         for b in widths
                     }
                     times = _candidate_times(runs, inputs, reps=reps)
@@ -194,18 +207,19 @@ def tune(log=None) -> dict[str, Any]:
         else:
             apply_widths(chosen)
         # How each family of GEMVs prefetches the rows it streams (dispatch.PREFETCH_CHOICES), on
-        # decode steps of the method that names it (dispatch.PREFETCH_FAMILIES).
+        # decode steps of its methods (dispatch.PREFETCH_FAMILIES).
         record["weight_prefetch"] = {}
         decode = _inputs(1)
         for m in PREFETCH_FAMILIES:
-            ce = CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False)
             runs = {
-                h: (lambda *a, h=h, m=m, ce=ce: (set_weight_prefetch(h, m), ce.forward(*a))) for h in PREFETCH_CHOICES
+                h: (lambda *a, h=h, m=m: (set_weight_prefetch(h, m), _forward_all(gemvs, m, a)))
+                for h in PREFETCH_CHOICES
             }
             # medians of 15: the hints differ by a few percent, less than a best-of-5 varies by on a VM
             times = _candidate_times(runs, decode, reps=15, stat=statistics.median)
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
             record["weight_prefetch"][m] = min(times, key=lambda h: times[h])
+        del gemvs  # the switch points below build their own
         env_hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
         if env_hint:  # the override holds for this process (as the width's); the switches are measured with it
             set_weight_prefetch(env_hint)
