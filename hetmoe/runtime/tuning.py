@@ -4,12 +4,13 @@ What is fastest differs between CPUs more than any rule of thumb says: on a Zen 
 GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while AMX tiles win at 512
 (measured, docs/benchmarks.md). So, once per (CPU model, threads, kernel variant), the tuner times:
 
-- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4-bit GEMVs on int4,
-  Q4_0 and Q4_K together and the int16-code ones on int8, each on decode and on 8 tokens an expert
-  apart (the engine runs a job whose busiest expert has at most 4 tokens at the decode width);
+- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4- to 6-bit GEMVs on
+  int4, Q4_0, Q4_K and Q6_K together and the int16-code ones on int8, each on decode (the layer's
+  experts and a dense MLP's long GEMVs) and on 8 tokens an expert apart (the engine runs a job whose
+  busiest expert has at most 4 tokens at the decode width);
 - how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1,
   non-temporally, or not at all), per family on the decode of its methods together (bf16 and fp8;
-  int8; int4, Q4_0 and Q4_K): on an AMX Xeon non-temporal took 1.3-2.4x as long and L2 was the
+  int8; int4, Q4_0, Q4_K and Q6_K): on an AMX Xeon non-temporal took 1.3-2.4x as long and L2 was the
   fastest; on a Zen 5 non-temporal was;
 - for each method family, the GEMV/GEMM switch point (``gemv_max_tokens``): the GEMV path against
   the GEMM path (AMX tiles where the variant has them; else, for the bf16 activations timed here,
@@ -92,6 +93,10 @@ FAMILIES: dict[str, str] = {
     "gguf:q6_k": "q4_k",
 }
 TUNED_METHODS = ("bf16", "fp8", "int8", "int4", "gguf:q4_0", "gguf:q4_k")
+# The GEMV families' widths and prefetches are timed on these: Q6_K too, the lm_head (and half the
+# ffn_down) of llama-quantize's 4-bit files, which on the AMX Xeon streamed 15% faster at 512 bits
+# (a 102400 x 2048 GEMV from DRAM) where int4 timed alike at both widths.
+FAMILY_METHODS = (*TUNED_METHODS, "gguf:q6_k")
 TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # the first: a decode step's
 # The GEMM path takes over only where it is more than 10% faster: on a shared VM two runs of the same
 # configuration differ by that much (a bf16 decode step here: 4.2 and 5.3 ms in one tuning run), and
@@ -123,6 +128,22 @@ def _layer(method: str) -> list:
     ]
 
 
+# A dense MLP as one expert of DENSE_INTERMEDIATE x HIDDEN (a 1-token decode through it: two GEMVs of
+# 16384 rows of 2048, one of 2048 rows of 16384): a decode step's attention, dense layers and lm_head
+# are such long GEMVs, ~40% of a Qwen3-30B-A3B step's weights, and they can prefer another width
+# than the experts' short ones: on the AMX Xeon a Qwen3-MoE Q4_K_M model decoded 10% faster with
+# 512-bit GEMVs while its MoE layer alone timed 256 and 512 bits within 1%.
+DENSE_INTERMEDIATE = 16384
+
+
+def _dense(method: str) -> list:
+    return [
+        random_projection(method, 1, DENSE_INTERMEDIATE, HIDDEN, 32, 3),
+        random_projection(method, 1, DENSE_INTERMEDIATE, HIDDEN, 32, 4),
+        random_projection(method, 1, HIDDEN, DENSE_INTERMEDIATE, 32, 5),
+    ]
+
+
 def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens routed uniformly at random, ``tokens_per_expert`` an expert on average (one: a decode
     step's single token): experts get every count around the average, as in a real prefill."""
@@ -134,14 +155,20 @@ def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.
 
 
 def _forward_all(gemvs: dict[str, Any], family: str, inputs: tuple) -> None:
-    """One forward of each of ``gemvs``' layers whose GEMVs are of ``family`` (engine_layout's
-    prefetch_family: the integer family, or bf16 for float arithmetic), one after another. A family is
-    timed on all its tuned methods, not on the one that names it: on the AMX Xeon, int4 decoded as fast
-    with T0 as with T1 while Q4_K's GEMV (another loop at 256 bits) streamed 14.8 GB/s with T0 and
-    18.1 with T1, and Q4_0's 16.4 and 18.6."""
-    for m, ce in gemvs.items():
-        if prefetch_family(m) == family:
-            ce.forward(*inputs)
+    """One forward of each of ``gemvs``' layers (``{method: CPUExperts}``; ``{method: (CPUExperts,
+    dense CPUExperts)}`` for decode) whose GEMVs are of ``family`` (engine_layout's prefetch_family: the
+    integer family, or bf16 for float arithmetic), one after another; a dense one takes each token to
+    its one expert. A family is timed on all its tuned methods, not on the one that names it: on the
+    AMX Xeon, int4 decoded as fast with T0 as with T1 while Q4_K's GEMV (another loop at 256 bits)
+    streamed 14.8 GB/s with T0 and 18.1 with T1, and Q4_0's 16.4 and 18.6."""
+    x, ids, w = inputs
+    for m, layers in gemvs.items():
+        if prefetch_family(m) != family:
+            continue
+        moe, dense = layers if isinstance(layers, tuple) else (layers, None)
+        moe.forward(*inputs)
+        if dense is not None:
+            dense.forward(x, ids[:, :1].clamp(min=-1, max=0), torch.ones_like(w[:, :1]))
 
 
 _flush: CacheFlush | None = None
@@ -180,20 +207,23 @@ def tune(log=None) -> dict[str, Any]:
     started = time.perf_counter()
     record: dict[str, Any] = {"isa": mod.selected_isa(), "gemv_max": {}, "timings_ms": {}}
     try:
-        layers = {m: _layer(m) for m in TUNED_METHODS}
+        layers = {m: _layer(m) for m in FAMILY_METHODS}
         widths = (256, 512) if mod.selected_isa() != "avx2" else (256,)
         # Each family's width in each regime on its own: the families and regimes disagree (an AMD Zen 4:
         # int8 decode faster at 256 bits, int8 at 8 tokens an expert and int4 throughout at 512).
         chosen = {f: dict.fromkeys(WIDTH_REGIMES, widths[0]) for f in WIDTH_FAMILIES}
-        gemvs = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in TUNED_METHODS}
+        gemvs = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in FAMILY_METHODS}
+        steps = {
+            m: (ce, CPUExperts(*_dense(m), gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False)) for m, ce in gemvs.items()
+        }
         if len(widths) > 1:
-            for regime, label, inputs, reps in (
-                ("decode", "decode", _inputs(1), 15),
-                ("prompt", "8 tokens/expert", _inputs(8), 5),
+            for regime, label, inputs, reps, on in (
+                ("decode", "decode", _inputs(1), 15, steps),  # a decode step: the experts and a dense MLP
+                ("prompt", "8 tokens/expert", _inputs(8), 5, gemvs),
             ):
                 for m in WIDTH_FAMILIES:
                     runs = {
-                        str(b): (lambda *a, b=b, m=m: (set_int_vector_bits(b, m), _forward_all(gemvs, m, a)))
+                        str(b): (lambda *a, b=b, m=m, on=on: (set_int_vector_bits(b, m), _forward_all(on, m, a)))
                         for b in widths
                     }
                     times = _candidate_times(runs, inputs, reps=reps)
@@ -207,19 +237,19 @@ def tune(log=None) -> dict[str, Any]:
         else:
             apply_widths(chosen)
         # How each family of GEMVs prefetches the rows it streams (dispatch.PREFETCH_CHOICES), on
-        # decode steps of its methods (dispatch.PREFETCH_FAMILIES).
+        # decode steps (the experts and a dense MLP) of its methods (dispatch.PREFETCH_FAMILIES).
         record["weight_prefetch"] = {}
         decode = _inputs(1)
         for m in PREFETCH_FAMILIES:
             runs = {
-                h: (lambda *a, h=h, m=m: (set_weight_prefetch(h, m), _forward_all(gemvs, m, a)))
+                h: (lambda *a, h=h, m=m, on=steps: (set_weight_prefetch(h, m), _forward_all(on, m, a)))
                 for h in PREFETCH_CHOICES
             }
             # medians of 15: the hints differ by a few percent, less than a best-of-5 varies by on a VM
             times = _candidate_times(runs, decode, reps=15, stat=statistics.median)
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
             record["weight_prefetch"][m] = min(times, key=lambda h: times[h])
-        del gemvs  # the switch points below build their own
+        del gemvs, steps  # the switch points below build their own
         env_hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
         if env_hint:  # the override holds for this process (as the width's); the switches are measured with it
             set_weight_prefetch(env_hint)
