@@ -20,8 +20,10 @@ GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while
   and the first at which it was.
 
 Each is timed on a Qwen3-30B-A3B-shaped layer (128 experts of 2048 x 768, top-8, random routing; up
-to ~3 GB for the four layouts, ~1 minute in all), alternating the candidates with the caches
-evicted before each run (as a model's other layers evict them) and keeping each one's best of three.
+to ~4.5 GB for the seven layouts and their dense MLPs, ~1.5 minutes in all), alternating the
+candidates with the caches evicted before each run (as a model's other layers evict them) and
+keeping each one's best of three (the widths: best of 15 decodes, of 5 prompts; the prefetch: medians
+of 15).
 The choices are cached beside the doctor's figures (``$XDG_CACHE_HOME/hetmoe/tuning.json``), made on
 first use (``HETMOE_TUNE=0`` turns tuning off: the built-in defaults then apply) or by
 ``hetmoe doctor --tune``, and printed by ``hetmoe doctor``. ``HETMOE_INT_VECTOR_BITS``,
@@ -249,7 +251,8 @@ def tune(log=None) -> dict[str, Any]:
             times = _candidate_times(runs, decode, reps=15, stat=statistics.median)
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
             record["weight_prefetch"][m] = min(times, key=lambda h: times[h])
-        del gemvs, steps  # the switch points below build their own
+        del gemvs, steps  # the switch points below build their own, on TUNED_METHODS' layers only
+        layers = {m: layers[m] for m in TUNED_METHODS}
         env_hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
         if env_hint:  # the override holds for this process (as the width's); the switches are measured with it
             set_weight_prefetch(env_hint)
