@@ -156,21 +156,20 @@ def _inputs(tokens_per_expert: int, seed: int = 0) -> tuple[torch.Tensor, torch.
     return x, ids, torch.softmax(torch.randn(T, TOP_K, generator=g), -1)
 
 
-def _forward_all(gemvs: dict[str, Any], family: str, inputs: tuple) -> None:
-    """One forward of each of ``gemvs``' layers (``{method: CPUExperts}``; ``{method: (CPUExperts,
-    dense CPUExperts)}`` for decode) whose GEMVs are of ``family`` (engine_layout's prefetch_family: the
-    integer family, or bf16 for float arithmetic), one after another; a dense one takes each token to
-    its one expert. A family is timed on all its tuned methods, not on the one that names it: on the
-    AMX Xeon, int4 decoded as fast with T0 as with T1 while Q4_K's GEMV (another loop at 256 bits)
-    streamed 14.8 GB/s with T0 and 18.1 with T1, and Q4_0's 16.4 and 18.6."""
+def _forward_all(steps: dict[str, tuple[Any, Any]], family: str, inputs: tuple, dense: bool) -> None:
+    """One forward of each of ``steps``' MoE layers (``{method: (CPUExperts, dense CPUExperts)}``)
+    whose GEMVs are of ``family`` (engine_layout's prefetch_family: the integer family, or bf16 for
+    float arithmetic), one after another, each followed by its dense MLP where ``dense`` (a decode
+    step's shapes; the dense one takes each token to its one expert). A family is timed on all its
+    tuned methods, not on the one that names it: on the AMX Xeon, int4 decoded as fast with T0 as with
+    T1 while Q4_K's GEMV (another loop at 256 bits) streamed 14.8 GB/s with T0 and 18.1 with T1, and
+    Q4_0's 16.4 and 18.6."""
     x, ids, w = inputs
-    for m, layers in gemvs.items():
-        if prefetch_family(m) != family:
-            continue
-        moe, dense = layers if isinstance(layers, tuple) else (layers, None)
-        moe.forward(*inputs)
-        if dense is not None:
-            dense.forward(x, ids[:, :1].clamp(min=-1, max=0), torch.ones_like(w[:, :1]))
+    for m, (moe, mlp) in steps.items():
+        if prefetch_family(m) == family:
+            moe.forward(*inputs)
+            if dense:
+                mlp.forward(x, ids[:, :1].clamp(min=-1, max=0), torch.ones_like(w[:, :1]))
 
 
 _flush: CacheFlush | None = None
@@ -214,18 +213,20 @@ def tune(log=None) -> dict[str, Any]:
         # Each family's width in each regime on its own: the families and regimes disagree (an AMD Zen 4:
         # int8 decode faster at 256 bits, int8 at 8 tokens an expert and int4 throughout at 512).
         chosen = {f: dict.fromkeys(WIDTH_REGIMES, widths[0]) for f in WIDTH_FAMILIES}
-        gemvs = {m: CPUExperts(*layers[m], gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for m in FAMILY_METHODS}
-        steps = {
-            m: (ce, CPUExperts(*_dense(m), gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False)) for m, ce in gemvs.items()
+        steps = {  # each method's layer and a dense MLP, both on the GEMV path
+            m: tuple(CPUExperts(*p, gemv_max_tokens=GEMV_ALL_TOKENS, verbose=False) for p in (layers[m], _dense(m)))
+            for m in FAMILY_METHODS
         }
         if len(widths) > 1:
-            for regime, label, inputs, reps, on in (
-                ("decode", "decode", _inputs(1), 15, steps),  # a decode step: the experts and a dense MLP
-                ("prompt", "8 tokens/expert", _inputs(8), 5, gemvs),
+            for regime, label, inputs, reps, dense in (
+                ("decode", "decode", _inputs(1), 15, True),  # a decode step: the experts and a dense MLP
+                ("prompt", "8 tokens/expert", _inputs(8), 5, False),
             ):
                 for m in WIDTH_FAMILIES:
                     runs = {
-                        str(b): (lambda *a, b=b, m=m, on=on: (set_int_vector_bits(b, m), _forward_all(on, m, a)))
+                        str(b): (
+                            lambda *a, b=b, m=m, d=dense, s=steps: (set_int_vector_bits(b, m), _forward_all(s, m, a, d))
+                        )
                         for b in widths
                     }
                     times = _candidate_times(runs, inputs, reps=reps)
@@ -244,14 +245,14 @@ def tune(log=None) -> dict[str, Any]:
         decode = _inputs(1)
         for m in PREFETCH_FAMILIES:
             runs = {
-                h: (lambda *a, h=h, m=m, on=steps: (set_weight_prefetch(h, m), _forward_all(on, m, a)))
+                h: (lambda *a, h=h, m=m, s=steps: (set_weight_prefetch(h, m), _forward_all(s, m, a, True)))
                 for h in PREFETCH_CHOICES
             }
             # medians of 15: the hints differ by a few percent, less than a best-of-5 varies by on a VM
             times = _candidate_times(runs, decode, reps=15, stat=statistics.median)
             record["timings_ms"][f"{m} decode prefetch"] = {h: round(v * 1e3, 3) for h, v in times.items()}
             record["weight_prefetch"][m] = min(times, key=lambda h: times[h])
-        del gemvs, steps  # the switch points below build their own, on TUNED_METHODS' layers only
+        del steps  # the switch points below build their own, on TUNED_METHODS' layers only
         layers = {m: layers[m] for m in TUNED_METHODS}
         env_hint = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip().lower()
         if env_hint:  # the override holds for this process (as the width's); the switches are measured with it
