@@ -1,27 +1,28 @@
 """``hetmoe sft train`` over two real processes (torchrun, gloo on loopback; no mock of
 torch.distributed) on the embedded default model and data/sft's conversations.
 
-- 20 LoRA steps over 2 processes give the loss curve and the adapter one process gives on the same
-  global batch of 8;
+- one LoRA step over 2 processes takes the gradient one process takes on the same global batch of 8;
+  20 steps over 2 processes train;
 - a rank killed (SIGKILL) mid-run makes the other fail with one clear line, not hang (torchrun's
   agent would stop it sooner; two hosts have no common agent, so the ranks run without one here);
   resumed from the last checkpoint, at 2 processes or at 1, the run ends with the uninterrupted
   run's adapter.
 
-The bound, 1e-5 relative: each step's gradient is the one-process gradient summed in another order
-(each rank's share of the tokens, then the two shares), so the runs differ by float32 rounding,
-~1e-7 of a step's gradient, carried through 20 AdamW steps. Adam's update is the gradient over its
-running magnitude, so where a gradient element nearly cancels, its rounding becomes a visible share
-of that element's step: a few elements of the 192 tensors move by up to ~4e-4 of their tensor's
-largest. The curve and the adapter as a whole (every element at once, relative Frobenius norm)
-stay within 1e-5; the element-wise maximum is no measure of agreement under Adam.
+What is compared one process against two is a step's gradient, read from the checkpoint after one
+step (AdamW's first moment is then (1 - beta1) g exactly). Each element is the one-process element
+summed in another order (each rank's share of the tokens, then the two shares added), and an expert
+whose share of the tokens takes the engine's GEMV on one side may take its GEMM on the other, which
+accumulates K in another order: fp32 rounding in another order, a random walk of
+~sqrt(K) u per dot product (u = 2^-24, K <= 2048: ~3e-6 relative), through a few such products in
+the forward and backward. GRAD_BOUND, 1e-5 relative in the Frobenius norm over all 192 tensors, is
+that. (Measured 3.8e-7 to 4.5e-7 over seeds 0 and 1, AVX2 and AVX-512, on an Intel Xeon.)
 
-That 1e-5 is a measurement, not a bound derived from the arithmetic: Adam divides each rounding by
-its element's own gradient, so no worst case is small. The adapters' gap one process against two
-is the most exposed: below 1e-5 on the AMD EPYC (the suite passed there), 1.07e-5 (AVX-512) and
-1.11e-5 (AVX2) on an Intel Xeon (family 6 model 167), the most from a few experts' LoRA matrices,
-whose share of the tokens differs between the ranks and so takes the engine's GEMV on one side and
-its GEMM on the other. It is held to ADAPTER_BOUND, twice the curve's.
+Later steps are not compared one process against two: Adam divides each element's rounding by that
+element's own gradient, so where a gradient nearly cancels the rounding becomes its step, and over
+20 steps the adapters drift apart by amounts no arithmetic bounds (1.8e-5 to 1.9e-4 relative over
+seeds 0-2 on that Xeon, where the first steps agree to 4e-7). The resumed runs are held to BOUND
+against the unbroken one: at 2 processes the same arithmetic (measured 0), at 1 process a measured
+margin after 10-15 steps apart (8.6e-7 for the adapter on that Xeon, AVX2, seed 0).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ EVAL = DATA.with_name("tiny_chat_eval.jsonl")
 STEPS, SAVE_EVERY = 20, 5
 TRAIN_ARGS = ["sft", "train", "--data", str(DATA), "--max-steps", str(STEPS), "--batch-size", "8"]
 TRAIN_ARGS += ["--lr", "1e-2", "--save-every", str(SAVE_EVERY), "--no-progress"]
-BOUND = 1e-5  # module docstring
-ADAPTER_BOUND = 2e-5  # the adapters one process against two (module docstring)
+GRAD_BOUND = 1e-5  # a step's gradient one process against two (module docstring)
+BOUND = 1e-5  # a run resumed at another number of processes against the unbroken run (module docstring)
 TIMEOUT = 300  # seconds a run may take before the test calls it hung
 
 
@@ -77,6 +78,21 @@ def _losses(output: Path) -> list[float]:
     return torch.load(output / "checkpoint" / "trainer_state.pt", weights_only=False)["losses"]
 
 
+def _first_step_gradients(output: Path) -> dict[int, torch.Tensor]:
+    """The gradient of a one-step run's step, from its checkpoint: AdamW's first moment after one
+    step is (1 - beta1) g; scaling leaves relative gaps alone."""
+    state = torch.load(output / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1
+    return {k: v["exp_avg"] for k, v in state["optimizer"]["state"].items()}
+
+
+def _gradient_gap(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
+    """How far two steps' gradients differ, every tensor at once: relative Frobenius norm."""
+    assert a.keys() == b.keys() and a
+    diff = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a) ** 0.5
+    return diff / sum(float(a[k].double().norm() ** 2) for k in a) ** 0.5
+
+
 def _adapter_gap(a: Path, b: Path) -> float:
     """How far two adapters differ, every tensor at once: relative Frobenius norm."""
     x, y = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
@@ -92,10 +108,12 @@ def _curve_gap(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """One process and two processes, 20 steps each, same settings."""
+    """One step at one process and at two, and 20 steps at two, same settings."""
     root = tmp_path_factory.mktemp("dp")
     # The held-out loss too: each rank scores its share of the held-out set and the sums are added.
-    heldout = {name: _train(n, root / name, "--eval-data", str(EVAL)) for name, n in (("one", 1), ("two", 2))}
+    eval_args = ("--eval-data", str(EVAL))
+    heldout = {name: _train(n, root / name, *eval_args, "--max-steps", "1") for name, n in (("one-1", 1), ("two-1", 2))}
+    heldout["two"] = _train(2, root / "two", *eval_args)
     (root / "heldout.json").write_text(json.dumps(heldout))
     return root
 
@@ -117,17 +135,14 @@ def test_accelerate_launch_takes_the_same_steps(runs) -> None:
 
 def test_two_processes_take_the_one_process_steps(runs) -> None:
     heldout = json.loads((runs / "heldout.json").read_text())
-    assert len(heldout["one"]) == 2 and heldout["one"][1] < heldout["one"][0]
-    # Before training the same model is scored in two halves (float32 sums in another order); after,
-    # the adapters differ by the bound below. The command prints 4 decimals: one unit of the last
-    # place (1e-4, 1.5e-4 with its float representation) is the tightest bound the text allows.
-    assert abs(heldout["two"][0] - heldout["one"][0]) <= 1.5e-4
-    assert abs(heldout["two"][1] - heldout["one"][1]) <= 1.5e-4
-    one, two = _losses(runs / "one"), _losses(runs / "two")
-    assert one[-1] < one[0] - 0.3  # it trains: the comparison below means something
-    assert _curve_gap(one, two) <= BOUND
-    gap = _adapter_gap(runs / "one" / "adapter", runs / "two" / "adapter")
-    assert 0 <= gap <= ADAPTER_BOUND, gap
+    # Before training the same model is scored in two halves (float32 sums in another order). The
+    # command prints 4 decimals: one unit of the last place (1e-4, 1.5e-4 with its float
+    # representation) is the tightest bound the text allows.
+    assert len(heldout["one-1"]) == 2 and abs(heldout["two-1"][0] - heldout["one-1"][0]) <= 1.5e-4
+    assert _gradient_gap(_first_step_gradients(runs / "one-1"), _first_step_gradients(runs / "two-1")) <= GRAD_BOUND
+    assert _losses(runs / "one-1")[0] == pytest.approx(_losses(runs / "two-1")[0], rel=GRAD_BOUND)
+    two = _losses(runs / "two")
+    assert two[-1] < two[0] - 0.3 and heldout["two"][1] < heldout["two"][0]  # 20 steps at two processes train
 
 
 def _free_port() -> int:
