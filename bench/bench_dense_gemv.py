@@ -4,10 +4,13 @@
 A model's lm_head is its largest single weight a decode token reads: DeepSeek-V2/V3's is
 102,400 x 2,048 (V3: 129,280 x 7,168), in Q6_K in the Q4_0 and Q4_K_M files llama-quantize writes.
 This times ``CPULinear`` (the engine's dense path, what a GGUF's lm_head runs on) on one bf16 row,
-and right before each timing streams the same weight bytes once with the engine's plain read
-(``measure_read_bandwidth_of``: its pool and prefetch, no arithmetic), so the ratio is taken within
-seconds on a shared machine. The weight is a random matrix's first 1,024 rows quantized by the
-codec, tiled to the full height (quantizing 200 M weights would take minutes and say nothing more).
+and right before each timing reads the same weight bytes once with the engine's plain read
+(``measure_chunked_read``: random 1 MiB pieces of them on its pool, with its prefetching and no
+arithmetic, the ceiling ``bench moe``'s %read takes), so the ratio is taken within seconds on a
+shared machine. The weight is a random matrix's first 1,024 rows quantized by the codec, tiled to the
+full height (quantizing 200 M weights would take minutes and say nothing more), on 2 MiB pages as a
+model's weights are (hetmoe/hw/huge_pages.py). (Until 2026-12-07 the ceiling was a scalar loop
+without prefetching on 4 KiB pages: 17-18 GB/s on the AMX Xeon, where this one reads ~30.)
 
     python bench/bench_dense_gemv.py                                   # 102400 x 2048, five types
     python bench/bench_dense_gemv.py --rows 129280 --cols 7168 --methods gguf:q6_k,gguf:q4_k
@@ -25,19 +28,24 @@ import torch
 
 from hetmoe.formats.base import QuantizedTensor
 from hetmoe.formats.registry import get_codec
+from hetmoe.hw import huge_pages
 from hetmoe.kernels import engine_module, set_num_threads
 from hetmoe.kernels.machine import cpu_info
 from hetmoe.runtime.cpu_linear import CPULinear
 
 METHODS = "gguf:q6_k,gguf:q4_0,gguf:q4_k,gguf:q5_0,gguf:q8_0,int4,int8,bf16"
 TILE_ROWS = 1024
+READ_CHUNK = 1 << 20  # the plain read's pieces, as hetmoe.kernels.machine.plain_read_gb_per_s reads
 
 
 def tiled_weight(method: str, rows: int, cols: int) -> QuantizedTensor:
     codec = get_codec(method)
     base = codec.quantize(torch.randn(TILE_ROWS, cols, generator=torch.Generator().manual_seed(0)) * 0.02)
     repeats = -(-rows // TILE_ROWS)
-    tensors = {k: t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows].contiguous() for k, t in base.tensors.items()}
+    tensors = {
+        k: huge_pages.copy_to_huge_pages(t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows])
+        for k, t in base.tensors.items()
+    }
     return QuantizedTensor(base.method, (rows, cols), tensors, dict(base.params))
 
 
@@ -51,11 +59,11 @@ def measure(method: str, rows: int, cols: int, threads: int, rounds: int) -> dic
         for _ in range(3):
             lin(x)
         gemv, read = [], []
-        for _ in range(rounds):  # alternate: a plain read of the same bytes, then the GEMV
+        size = codes.numel() * codes.element_size()
+        chunk = min(READ_CHUNK, size // 64 * 64)
+        for r in range(rounds):  # alternate: a plain read of the same bytes, then the GEMV
             read.append(
-                engine_module().measure_read_bandwidth_of(
-                    codes.data_ptr(), codes.numel() * codes.element_size(), threads, 1
-                )
+                engine_module().measure_chunked_read(codes.data_ptr(), size, chunk, size // chunk * chunk, 1, r)
             )
             t = time.perf_counter()
             lin(x)
