@@ -153,3 +153,29 @@ def test_a_directorys_per_expert_tensors_are_stacked_onto_huge_pages(monkeypatch
         want = torch.stack([state[f"model.layers.0.mlp.experts.{e}.{name}.weight"] for e in range(experts)])
         assert w.dtype == torch.bfloat16 and torch.equal(w, want.to(torch.bfloat16)), name
         assert w.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(w.data_ptr()), name
+
+
+@linux_thp
+def test_dense_weights_run_from_a_copy_on_huge_pages(monkeypatch):
+    """A GGUF's dense weight in its stored blocks is a view of the file's mapping, 4 KiB pages where
+    the page cache holds no 2 MiB folio there: the engine runs a copy on huge pages, byte for byte
+    (models/dense_engine.py: _on_huge_pages)."""
+    from torch import nn
+
+    from hetmoe.models.dense_engine import STORED, DenseConverter
+    from hetmoe.runtime.cpu_linear import CPULinear
+
+    monkeypatch.delenv("HETMOE_HUGE_PAGES", raising=False)
+    model = nn.Sequential(nn.Linear(2048, 1024, bias=False)).to(torch.bfloat16)
+    stored = get_codec("gguf:q8_0").quantize(torch.randn(1024, 2048, generator=torch.Generator().manual_seed(0)))
+    blocks = next(iter(stored.tensors.values()))
+    assert blocks.numel() * blocks.element_size() >= huge_pages.HUGE_PAGE_BYTES  # 2.1 MiB of Q8_0 blocks
+    convert = DenseConverter(model, STORED, None, [], [])
+    assert convert.take(model[0], "weight", None, stored)
+    convert.finish(model)
+    assert isinstance(model[0], CPULinear)
+    (held,) = model[0].weight_q.tensors.values()
+    assert held.data_ptr() != blocks.data_ptr() and torch.equal(held, blocks)
+    assert held.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and "hg" in _vma_flags(held.data_ptr())
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(model[0](x), CPULinear(stored)(x))  # the same bytes, the same kernel
