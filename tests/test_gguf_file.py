@@ -113,3 +113,57 @@ def test_prefetch_advises_each_tensors_own_bytes(tmp_path: Path, monkeypatch) ->
         f.prefetch(t.name)
     f.prefetch("no such tensor")
     assert calls == [(int(t.data_offset), int(t.n_bytes), os.POSIX_FADV_WILLNEED) for t in tensors]
+
+
+def test_release_drops_each_tensors_own_pages(tmp_path: Path, monkeypatch) -> None:
+    """release(name) drops exactly the byte range the gguf package reads the tensor from (the pages
+    it covers whole: drop_mapped_pages); an unknown name drops nothing."""
+    from hetmoe.checkpoint import gguf_file
+
+    path = write_every_value_type(tmp_path / "all.gguf", 64)
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(gguf_file, "drop_mapped_pages", lambda mapping, start, n: calls.append((start, n)))
+    f = GGUFFile(path)
+    _, tensors = reference(path)
+    for t in tensors:
+        f.release(t.name)
+    f.release("no such tensor")
+    assert calls == [(int(t.data_offset), int(t.n_bytes)) for t in tensors]
+
+
+def test_dropped_pages_leave_memory_and_read_back_the_file(tmp_path: Path) -> None:
+    """drop_mapped_pages on a private file mapping: the whole pages of the range leave the process's
+    resident memory (smaps), the partial ones at its ends stay, and every byte reads back as the file."""
+    import mmap
+    import os
+
+    from hetmoe.checkpoint.safetensors_file import drop_mapped_pages
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("Linux smaps only")
+    page = mmap.PAGESIZE
+    data = np.random.default_rng(0).integers(0, 256, 64 * page, dtype=np.uint8)
+    (tmp_path / "f.bin").write_bytes(data.tobytes())
+    with open(tmp_path / "f.bin", "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    view = np.frombuffer(m, dtype=np.uint8)
+    base = view.ctypes.data
+
+    def resident_pages() -> int:
+        inside = False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    inside = int(head.split("-")[0], 16) == base
+                elif inside and line.startswith("Rss:"):
+                    return int(line.split()[1]) * 1024 // page
+        raise AssertionError("the mapping is not in smaps")
+
+    assert int(view.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # every page touched
+    assert resident_pages() == 64
+    drop_mapped_pages(m, 3 * page + 1, 40 * page)  # pages 4 .. 42 whole; 3 and 43 partial
+    assert resident_pages() == 64 - 39
+    assert np.array_equal(view, data)
+    del view
+    m.close()

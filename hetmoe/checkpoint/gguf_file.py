@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .safetensors_file import TensorInfo, read_ahead
+from .safetensors_file import TensorInfo, drop_mapped_pages, read_ahead
 
 GGUF_MAGIC = b"GGUF"
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
@@ -200,6 +200,14 @@ class GGUFFile:
         t = self._tensor(name)
         raw = self._bytes[t.offset : t.offset + t.n_bytes].reshape(*t.shape[:-1], -1)
         return torch.from_numpy(raw)
+
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's memory, for a reader that copied it (a dense
+        weight the engine runs from huge pages) and will not read the mapped bytes again; they re-read
+        from the file if touched. Only for tensors nobody wrote to (``drop_mapped_pages``)."""
+        t = self._tensors.get(name)
+        if t is not None:
+            drop_mapped_pages(self._map, t.offset, t.n_bytes)
 
     def prefetch(self, name: str) -> None:
         """Start reading the tensor's bytes into the page cache (``read_ahead``; call it from a thread

@@ -70,6 +70,20 @@ def read_ahead(path: Path, start: int, nbytes: int) -> None:
         os.close(fd)
 
 
+def drop_mapped_pages(mapping: mmap.mmap | None, start: int, nbytes: int) -> None:
+    """Drop the pages of ``mapping`` that ``[start, start + nbytes)`` covers entirely from this
+    process's memory (MADV_DONTNEED; a private file mapping's pages re-read from the file if touched
+    again, so neighbours sharing a partial page are unaffected). Only for bytes nobody wrote to: a
+    copy-on-write page would lose the writes. A no-op where madvise is missing."""
+    if mapping is None or not hasattr(mapping, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    first = -(-start // page) * page
+    last = (start + nbytes) // page * page
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 class SafetensorsFile:
     """One ``.safetensors`` file: ``keys()``, ``info(name)``, ``get(name)``, ``metadata``."""
 
@@ -160,14 +174,8 @@ class SafetensorsFile:
         modified.
         """
         entry = self._infos.get(name)
-        if entry is None or self._map is None or not hasattr(self._map, "madvise"):
-            return
-        info, start = entry
-        page = mmap.PAGESIZE
-        first = -(-start // page) * page
-        last = (start + info.nbytes) // page * page
-        if last > first:
-            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        if entry is not None:
+            drop_mapped_pages(self._map, entry[1], entry[0].nbytes)
 
     def prefetch(self, name: str) -> None:
         """Have the kernel read the tensor's bytes into the page cache (POSIX_FADV_WILLNEED), so the

@@ -97,6 +97,8 @@ class DenseConverter:
     ) -> bool:
         """Called for each tensor read: a target's weight is quantized and kept here (True), so it
         is never placed in the model in full precision; anything else is left to the caller (False).
+        What is kept is a copy on huge pages (``_on_huge_pages``): on True the caller may release the
+        file's pages it was read from.
         ``stored``: the weight as the file holds it, where that is an engine method (a GGUF block
         type, fp8 with its scales); ``value`` may then be None (it was not decoded)."""
         name = self._by_owner.get(id(owner))
@@ -107,12 +109,12 @@ class DenseConverter:
             if q is None:
                 return False
             self.stored_as[q.method] = self.stored_as.get(q.method, 0) + 1
-            self._quantized[name] = q
+            self._quantized[name] = _on_huge_pages(q)
             return True
         if value is None:
             assert stored is not None
             value = get_codec(stored.method, **stored.params).dequantize(stored, torch.float32)
-        self._quantized[name] = quantize_weight(value, self.method, self.group_size, f"{name}.weight")
+        self._quantized[name] = _on_huge_pages(quantize_weight(value, self.method, self.group_size, f"{name}.weight"))
         return True
 
     def _stored(self, value: torch.Tensor | None, stored: QuantizedTensor | None, name: str) -> QuantizedTensor | None:
@@ -131,13 +133,13 @@ class DenseConverter:
                 if mod.weight.is_meta or mod.weight.dtype != torch.bfloat16 or self.dtype != torch.bfloat16:
                     continue  # left in torch
                 # a bf16 model holds it in bf16 now (tied, or rounded there when read): the same values
-                q = quantize_weight(mod.weight, "bf16", None, f"{name}.weight")
+                q = _on_huge_pages(quantize_weight(mod.weight, "bf16", None, f"{name}.weight"))
                 self.stored_as["bf16"] = self.stored_as.get("bf16", 0) + 1
             if q is None:  # a tied weight (lm_head = embeddings): loaded by tie_weights, quantized now
                 if mod.weight.is_meta:
                     raise ValueError(f"{name}.weight: neither read from the checkpoint nor tied to a loaded tensor")
-                q = quantize_weight(mod.weight, self.method, self.group_size, f"{name}.weight")
-            linear = CPULinear(_on_huge_pages(q), mod.bias, gemv_max_tokens=self.gemv_max_tokens)
+                q = _on_huge_pages(quantize_weight(mod.weight, self.method, self.group_size, f"{name}.weight"))
+            linear = CPULinear(q, mod.bias, gemv_max_tokens=self.gemv_max_tokens)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, linear)
         notes = []
@@ -170,7 +172,8 @@ def _on_huge_pages(q: QuantizedTensor) -> QuantizedTensor:
     2048) Q4_K 16.7 against 25.5 GB/s, Q6_K 17.3 against 26.7. The dense weights are a few percent of
     a MoE model's bytes but ~40% of what its decode step reads (Qwen3-30B-A3B); a 4-layer Qwen3-MoE
     Q4_K_M file decoded 84.7-87.7 -> 86.1-92.3 tokens/s (alternating; bf16 directory unchanged). The
-    experts stay views of the file: a copy of them would double a load's memory and time."""
+    loader then releases the file's pages of the weight (``source.release``), so they are not held
+    twice. The experts stay views of the file: a copy of them would double a load's time."""
     tensors = {k: huge_pages.copy_to_huge_pages(t) for k, t in q.tensors.items()}
     return QuantizedTensor(q.method, q.shape, tensors, q.params)
 

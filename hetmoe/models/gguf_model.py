@@ -191,6 +191,15 @@ class GGUFTensors:
         for key in [name] if name in self._experts else self._entry(name).parts:
             prefetch(key)
 
+    def release(self, name: str) -> None:
+        """Drop the stored bytes of ``name`` from this process's memory, for a reader that copied
+        them and will not read them again (GGUFFile.release)."""
+        release = getattr(self._raw, "release", None)
+        if release is None:
+            return
+        for key in [name] if name in self._experts else self._entry(name).parts:
+            release(key)
+
     def stored(self, name: str) -> QuantizedTensor | None:
         """A non-expert weight in its GGUF block type, as the file holds it (a view of the mapped
         bytes, or whole rows of blocks gathered where the rows move or come from several tensors of

@@ -550,10 +550,12 @@ def _load_non_experts(
         if dense is not None and dense.wants(owner, local):
             stored = _read_stored(source, key, keys, config)
             if stored is not None and dense.take(owner, local, None, stored):
-                continue  # runs in the engine as stored: never decoded
+                _release(source, key)  # runs in the engine as stored, from its copy: never decoded
+                continue
         value = _read_dense(source, key, keys, config)
         if dense is not None and dense.take(owner, local, value):
-            continue  # quantized for the CPU engine as read: never held in full precision
+            _release(source, key)  # quantized for the CPU engine as read: never held in full precision
+            continue
         # On the CPU in the stored dtype this is the file's own memory-mapped view: no copy.
         value = value.to(device=device, dtype=target if value.is_floating_point() else value.dtype)
         value._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' init skips it
@@ -629,6 +631,13 @@ def _materialize_leftovers(model: nn.Module, device: torch.device) -> None:
 
 
 # --- experts -------------------------------------------------------------------------------------
+
+
+def _release(source: TensorSource, key: str) -> None:
+    """The file's pages of ``key`` dropped from memory where the source can (a copy holds them now)."""
+    release = getattr(source, "release", None)
+    if release is not None:
+        release(key)
 
 
 def release_freed_memory() -> None:
