@@ -514,6 +514,13 @@ def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern[str]
     return [re.compile(re.escape(k).replace(r"\*", ".*")) for k, v in plan.items() if v == torch.float32]
 
 
+def _release(source: TensorSource, key: str) -> None:
+    """The file's pages of ``key`` dropped from memory where the source can (a copy holds them now)."""
+    release = getattr(source, "release", None)
+    if release is not None:
+        release(key)
+
+
 def _load_non_experts(
     model: nn.Module,
     source: TensorSource,
@@ -631,13 +638,6 @@ def _materialize_leftovers(model: nn.Module, device: torch.device) -> None:
 
 
 # --- experts -------------------------------------------------------------------------------------
-
-
-def _release(source: TensorSource, key: str) -> None:
-    """The file's pages of ``key`` dropped from memory where the source can (a copy holds them now)."""
-    release = getattr(source, "release", None)
-    if release is not None:
-        release(key)
 
 
 def release_freed_memory() -> None:
