@@ -28,28 +28,23 @@ import torch
 
 from hetmoe.formats.base import QuantizedTensor
 from hetmoe.formats.registry import get_codec
-from hetmoe.hw import huge_pages
 from hetmoe.kernels import engine_module, set_num_threads
-from hetmoe.kernels.machine import cpu_info
+from hetmoe.kernels.machine import PLAIN_READ_CHUNK, cpu_info
 from hetmoe.runtime.cpu_linear import CPULinear
 
 METHODS = "gguf:q6_k,gguf:q4_0,gguf:q4_k,gguf:q5_0,gguf:q8_0,int4,int8,bf16"
 TILE_ROWS = 1024
-READ_CHUNK = 1 << 20  # the plain read's pieces, as hetmoe.kernels.machine.plain_read_gb_per_s reads
 
 
 def tiled_weight(method: str, rows: int, cols: int) -> QuantizedTensor:
     codec = get_codec(method)
     base = codec.quantize(torch.randn(TILE_ROWS, cols, generator=torch.Generator().manual_seed(0)) * 0.02)
     repeats = -(-rows // TILE_ROWS)
-    tensors = {
-        k: huge_pages.copy_to_huge_pages(t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows])
-        for k, t in base.tensors.items()
-    }
-    return QuantizedTensor(base.method, (rows, cols), tensors, dict(base.params))
+    tensors = {k: t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows] for k, t in base.tensors.items()}
+    return QuantizedTensor(base.method, (rows, cols), tensors, dict(base.params)).on_huge_pages()
 
 
-def measure(method: str, rows: int, cols: int, threads: int, rounds: int) -> dict[str, float | str]:
+def measure(method: str, rows: int, cols: int, rounds: int) -> dict[str, float | str]:
     q = tiled_weight(method, rows, cols)
     lin = CPULinear(q)
     codes = max(q.tensors.values(), key=lambda t: t.numel() * t.element_size())  # the weight's bytes
@@ -60,7 +55,7 @@ def measure(method: str, rows: int, cols: int, threads: int, rounds: int) -> dic
             lin(x)
         gemv, read = [], []
         size = codes.numel() * codes.element_size()
-        chunk = min(READ_CHUNK, size // 64 * 64)
+        chunk = min(PLAIN_READ_CHUNK, size // 64 * 64)
         for r in range(rounds):  # alternate: a plain read of the same bytes, then the GEMV
             read.append(
                 engine_module().measure_chunked_read(codes.data_ptr(), size, chunk, size // chunk * chunk, 1, r)
@@ -100,7 +95,7 @@ def main() -> int:
     print(f"{args.rows} x {args.cols}, one bf16 token, {threads} threads; medians of {args.rounds} alternating rounds")
     print(f"{'method':12s} {'MB':>7s} {'ms':>7s} {'GEMV GB/s':>10s} {'read GB/s':>10s} {'%read':>6s}")
     for method in args.methods.split(","):
-        r = measure(method, args.rows, args.cols, threads, args.rounds)
+        r = measure(method, args.rows, args.cols, args.rounds)
         records.append(r)
         print(
             f"{method:12s} {r['mb']:7.1f} {r['ms']:7.2f} {r['gemv_gb_s']:10.1f} {r['read_gb_s']:10.1f} "

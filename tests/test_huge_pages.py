@@ -159,7 +159,7 @@ def test_a_directorys_per_expert_tensors_are_stacked_onto_huge_pages(monkeypatch
 def test_dense_weights_run_from_a_copy_on_huge_pages(monkeypatch):
     """A GGUF's dense weight in its stored blocks is a view of the file's mapping, 4 KiB pages where
     the page cache holds no 2 MiB folio there: the engine runs a copy on huge pages, byte for byte
-    (models/dense_engine.py: _on_huge_pages)."""
+    (models/dense_engine.py: QuantizedTensor.on_huge_pages)."""
     from torch import nn
 
     from hetmoe.models.dense_engine import STORED, DenseConverter

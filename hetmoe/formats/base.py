@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..hw import huge_pages
+
 
 class FormatError(ValueError):
     """A tensor does not match what its format requires.
@@ -70,6 +72,12 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def on_huge_pages(self) -> QuantizedTensor:
+        """The same bytes copied onto 2 MiB pages (hw/huge_pages.py: the tensors smaller than one stay
+        plain), for weights a decode step streams; new tensors, so unvalidated."""
+        tensors = {k: huge_pages.copy_to_huge_pages(t) for k, t in self.tensors.items()}
+        return QuantizedTensor(self.method, self.shape, tensors, self.params)
 
 
 def snr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:

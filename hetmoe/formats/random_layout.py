@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from ..hw import huge_pages
 from .base import QuantizedTensor
 
 
 def random_projection(method: str, experts: int, n: int, k: int, group: int, seed: int) -> QuantizedTensor:
     """Stacked experts ``[experts, n, k]`` of ``method`` with random codes and scales, on huge pages
     as a model file's weights are mapped (hw/huge_pages.py), so timings see the pages a model has."""
-    q = _random_projection(method, experts, n, k, group, seed)
-    tensors = {suffix: huge_pages.copy_to_huge_pages(t) for suffix, t in q.tensors.items()}
-    return QuantizedTensor(q.method, q.shape, tensors, q.params)
+    return _random_projection(method, experts, n, k, group, seed).on_huge_pages()
 
 
 def _random_projection(method: str, experts: int, n: int, k: int, group: int, seed: int) -> QuantizedTensor:

@@ -14,6 +14,17 @@ bytes, never dequantized), fp8 with its scales, and bf16 in a bf16 model. A weig
 (fp32, fp16, a GGUF type without a kernel) or loaded into a model of another dtype stays in torch,
 so the arithmetic the user chose (``dtype=float32``) is the arithmetic that runs.
 
+Every weight the engine runs is a copy on 2 MiB pages (``QuantizedTensor.on_huge_pages``). A stored
+weight is a view of the model file's mapping, which the page cache maps 2 MiB at a time only where
+it happens to hold 2 MiB folios: 47% of a 1.6 GB GGUF llama-quantize had just written (kernel 6.18,
+ext4); a weight quantized or rounded at load is plain torch memory. On 4 KiB pages a dense GEMV
+streams far slower: on the AMX Xeon (2 threads, bench/bench_dense_gemv.py, 102400 x 2048) Q4_K 16.7
+against 25.5 GB/s, Q6_K 17.3 against 26.7. The dense weights are a few percent of a MoE model's
+bytes but ~40% of what its decode step reads (Qwen3-30B-A3B); a 4-layer Qwen3-MoE Q4_K_M file
+decoded 84.7-87.7 -> 86.1-92.3 tokens/s (alternating; bf16 directory unchanged). The loader then
+releases the file's pages of the weight (``source.release``), so they are not held twice. The
+experts stay views of the file: a copy of them would double a load's time.
+
 Conversion happens while the non-expert weights are read: each weight is quantized as soon as it
 is read and its full-precision value dropped, so only one layer's weight ever exists in full
 precision (a tied lm_head is quantized from the embedding once loading is done).
@@ -27,7 +38,6 @@ import torch
 from torch import nn
 
 from ..formats import QuantizedTensor, get_codec
-from ..hw import huge_pages
 from ..runtime.cpu_experts import ENGINE_METHODS
 from ..runtime.cpu_linear import CPULinear, check_method, quantize_weight, unsupported_reason
 from ..runtime.engine_activations import install_engine_activations
@@ -97,7 +107,7 @@ class DenseConverter:
     ) -> bool:
         """Called for each tensor read: a target's weight is quantized and kept here (True), so it
         is never placed in the model in full precision; anything else is left to the caller (False).
-        What is kept is a copy on huge pages (``_on_huge_pages``): on True the caller may release the
+        What is kept is a copy on huge pages (module docstring): on True the caller may release the
         file's pages it was read from.
         ``stored``: the weight as the file holds it, where that is an engine method (a GGUF block
         type, fp8 with its scales); ``value`` may then be None (it was not decoded)."""
@@ -109,12 +119,12 @@ class DenseConverter:
             if q is None:
                 return False
             self.stored_as[q.method] = self.stored_as.get(q.method, 0) + 1
-            self._quantized[name] = _on_huge_pages(q)
+            self._quantized[name] = q.on_huge_pages()
             return True
         if value is None:
             assert stored is not None
             value = get_codec(stored.method, **stored.params).dequantize(stored, torch.float32)
-        self._quantized[name] = _on_huge_pages(quantize_weight(value, self.method, self.group_size, f"{name}.weight"))
+        self._quantized[name] = quantize_weight(value, self.method, self.group_size, f"{name}.weight").on_huge_pages()
         return True
 
     def _stored(self, value: torch.Tensor | None, stored: QuantizedTensor | None, name: str) -> QuantizedTensor | None:
@@ -133,12 +143,12 @@ class DenseConverter:
                 if mod.weight.is_meta or mod.weight.dtype != torch.bfloat16 or self.dtype != torch.bfloat16:
                     continue  # left in torch
                 # a bf16 model holds it in bf16 now (tied, or rounded there when read): the same values
-                q = _on_huge_pages(quantize_weight(mod.weight, "bf16", None, f"{name}.weight"))
+                q = quantize_weight(mod.weight, "bf16", None, f"{name}.weight").on_huge_pages()
                 self.stored_as["bf16"] = self.stored_as.get("bf16", 0) + 1
             if q is None:  # a tied weight (lm_head = embeddings): loaded by tie_weights, quantized now
                 if mod.weight.is_meta:
                     raise ValueError(f"{name}.weight: neither read from the checkpoint nor tied to a loaded tensor")
-                q = _on_huge_pages(quantize_weight(mod.weight, self.method, self.group_size, f"{name}.weight"))
+                q = quantize_weight(mod.weight, self.method, self.group_size, f"{name}.weight").on_huge_pages()
             linear = CPULinear(q, mod.bias, gemv_max_tokens=self.gemv_max_tokens)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, linear)
@@ -160,22 +170,6 @@ class DenseConverter:
         transcoded = {m.note for m in model.modules() if isinstance(m, CPULinear) and m.note}
         notes += [f"dense layers: {note}" for note in sorted(transcoded)]
         return notes
-
-
-def _on_huge_pages(q: QuantizedTensor) -> QuantizedTensor:
-    """``q``'s bytes copied onto 2 MiB pages (hw/huge_pages.py), which a decode step streams faster.
-
-    A stored weight is a view of the model file's mapping, which the page cache maps 2 MiB at a time
-    only where it happens to hold 2 MiB folios: 47% of a 1.6 GB GGUF llama-quantize had just written
-    (kernel 6.18, ext4); a weight quantized or rounded at load is plain torch memory. On 4 KiB pages a
-    dense GEMV streams far slower: on the AMX Xeon (2 threads, bench/bench_dense_gemv.py, 102400 x
-    2048) Q4_K 16.7 against 25.5 GB/s, Q6_K 17.3 against 26.7. The dense weights are a few percent of
-    a MoE model's bytes but ~40% of what its decode step reads (Qwen3-30B-A3B); a 4-layer Qwen3-MoE
-    Q4_K_M file decoded 84.7-87.7 -> 86.1-92.3 tokens/s (alternating; bf16 directory unchanged). The
-    loader then releases the file's pages of the weight (``source.release``), so they are not held
-    twice. The experts stay views of the file: a copy of them would double a load's time."""
-    tensors = {k: huge_pages.copy_to_huge_pages(t) for k, t in q.tensors.items()}
-    return QuantizedTensor(q.method, q.shape, tensors, q.params)
 
 
 def dense_linears(model: nn.Module) -> list[CPULinear]:
