@@ -280,8 +280,9 @@ PYBIND11_MODULE(_C, m) {
           d["id"] = int(t.method), d["name"] = t.name, d["block_weights"] = t.block_weights;
           d["block_bytes"] = t.block_bytes, d["bits_per_weight"] = t.bits_per_weight;
           d["scales_inside"] = t.scales_inside, d["k_multiple"] = t.k_multiple;
-          // whose integer GEMV width it follows (kernels.h IntWidthFamily), "" without an integer GEMV
-          d["gemv_width"] = t.gemv_act == kActNone ? "" : width_family(t.gemv_act) == kWidthNatural ? "int8" : "int4";
+          // whose GEMV width and prefetch it follows (kernels.h IntWidthFamily)
+          const int family = width_family(t.gemv_act);
+          d["gemv_width"] = family == kWidthFloat ? "bf16" : family == kWidthNatural ? "int8" : "int4";
           rows.append(d);
         }
         return rows;
@@ -688,21 +689,21 @@ PYBIND11_MODULE(_C, m) {
                                 std::to_string(bits));
         if (family < -1 || family >= kWidthFamilies || regime < -1 || regime >= kWidthRegimes)
           throw py::value_error("int vector bits: family " + std::to_string(family) + ", regime " +
-                                std::to_string(regime) + " (expected 0 or 1 each, -1 for both)");
+                                std::to_string(regime) + " (expected family 0-2, regime 0-1, -1 for all)");
         for (int f = 0; f < kWidthFamilies; ++f)
           for (int r = 0; r < kWidthRegimes; ++r)
             if ((family < 0 || family == f) && (regime < 0 || regime == r))
               g_int_vector_bits[f][r] = bits ? bits : default_int_vector_bits();
       },
       py::arg("bits"), py::arg("family") = -1, py::arg("regime") = -1,
-      "the integer GEMVs' width for a family (0: 4-bit digits, 1: int16 codes) and regime (0: decode, 1: "
-      "more tokens), -1 for both");
+      "the GEMVs' width for a family (0: 4-bit digits, 1: int16 codes, 2: bf16 on VDPBF16PS) and regime "
+      "(0: decode, 1: more tokens), -1 for all");
   m.def(
       "int_vector_bits",
       [](int family, int regime) {
         if (family < 0 || family >= kWidthFamilies || regime < 0 || regime >= kWidthRegimes)
           throw py::value_error("int vector bits: family " + std::to_string(family) + ", regime " +
-                                std::to_string(regime) + " (expected 0 or 1 each)");
+                                std::to_string(regime) + " (expected family 0-2, regime 0-1)");
         return g_int_vector_bits[family][regime].load();
       },
       py::arg("family"), py::arg("regime"));

@@ -79,7 +79,9 @@ int default_int_vector_bits() {
 }
 
 std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes] = {
-    {default_int_vector_bits(), default_int_vector_bits()}, {default_int_vector_bits(), default_int_vector_bits()}};
+    {default_int_vector_bits(), default_int_vector_bits()},
+    {default_int_vector_bits(), default_int_vector_bits()},
+    {default_int_vector_bits(), default_int_vector_bits()}};
 int default_weight_prefetch() { return cpu_features().amd ? kPrefetchNta : kPrefetchT0; }
 
 std::atomic<int> g_weight_prefetch[kPrefetchFamilies] = {default_weight_prefetch(), default_weight_prefetch(),

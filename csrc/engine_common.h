@@ -288,18 +288,24 @@ struct NodeRowItems {
   }
 };
 
+// Whether the bf16 GEMV on bf16 activations (kWidthFloat) runs 512 bits wide in a job whose busiest
+// expert (or linear) has `tokens` tokens.
+inline bool float_gemv_wide(int tokens) { return gemv_bits(kActNone, tokens) == 512; }
+
 // Activation rows in the layout a method's GEMV kernel wants.
 struct ActBuffers {
   int K = 0, mode = kActNone;
   bool one_digit = false;  // the codes at int8 level (act_one_digit of the method the rows are for)
+  bool float_wide = false;  // Act::wide of a float GEMV's rows (mode kActNone): float_gemv_wide
   Buf<int16_t> q;
   Buf<float> d;
   Buf<int32_t> sum;
 
-  void allocate(int rows, int k, int m, bool one = false) {
+  void allocate(int rows, int k, int m, bool one = false, bool wide_float = false) {
     K = k;
     mode = m;
     one_digit = one && mode != kActNone;
+    float_wide = wide_float && mode == kActNone;
     if (mode == kActNone) return;
     q = uninit<int16_t>(size_t(rows) * K);
     d = uninit<float>(size_t(rows) * (K / kActBlock));
@@ -314,7 +320,7 @@ struct ActBuffers {
   Act act(const float* row, int r) const {
     Act a;
     a.f = row;
-    a.wide = act_is_wide(mode);
+    a.wide = mode == kActNone ? float_wide : act_is_wide(mode);
     a.one_digit = one_digit;
     if (mode != kActNone) {
       const size_t nb = K / kActBlock;

@@ -66,7 +66,9 @@ struct Act {
   const int16_t* q = nullptr;
   const float* d = nullptr;
   const int32_t* sum = nullptr;  // per block: sum of its codes (for formats with a min term, Q4_K)
-  bool wide = false;             // in the 512-bit GEMVs' layout (kActQuads, kActNaturalPairs)
+  // The GEMV runs 512 bits wide: the activations are in a 512-bit layout (kActQuads, kActNaturalPairs,
+  // the GGUF digit layouts), or, for the bf16 GEMV on `h`, its tuned width (kWidthFloat) is 512.
+  bool wide = false;
   // The same row in bf16, where the caller's activations were bf16 (so `f` holds the same values) and
   // the CPU has AVX512-BF16 (engine_common.h: bf16_x): the bf16 GEMV multiplies on it (VDPBF16PS).
   const uint16_t* h = nullptr;
@@ -220,9 +222,16 @@ constexpr int64_t kAttnScratch(int M, int Dk, int Dv) { return 64 * int64_t(Dk +
 // kGemvTokens tokens (decode), [kWidthPrompt] the rest. Read when a job picks its activation layout
 // (engine_common.h: act_quant_for; the GEMVs follow the layout), so a change applies to the next job.
 // Atomic: Python sets them while the pool's workers read them.
-enum IntWidthFamily : int { kWidthDigits = 0, kWidthNatural = 1, kWidthFamilies = 2 };
+// [kWidthFloat]: the bf16 GEMV on bf16 activations (VDPBF16PS, where the CPU has AVX512-BF16), whose
+// Act::wide the job sets from it; the GEMVs on fp32 activations (bf16's on fp32 rows, fp8's) run
+// the variant's full width whatever it is. On 2 vCPUs of an Intel Xeon with AMX (family 6 model 167) a
+// Qwen3-30B-A3B bf16 layer's 1-token decode from DRAM took 2.31-2.57 ms at 256 bits and 2.67-2.73
+// at 512 (the fp32-activation down projection at 256 bits: no change), alternating.
+enum IntWidthFamily : int { kWidthDigits = 0, kWidthNatural = 1, kWidthFloat = 2, kWidthFamilies = 3 };
 enum IntWidthRegime : int { kWidthDecode = 0, kWidthPrompt = 1, kWidthRegimes = 2 };
-inline int width_family(int mode) { return mode == kActNatural ? kWidthNatural : kWidthDigits; }
+inline int width_family(int mode) {
+  return mode == kActNone ? kWidthFloat : mode == kActNatural ? kWidthNatural : kWidthDigits;
+}
 extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // How the GEMVs prefetch the weight rows they stream (kernels_common.inc: prefetch_line): into every
 // cache level (T0), non-temporally (NTA), into L2 and outward but not L1 (T1), or not at all (the
@@ -237,10 +246,11 @@ extern std::atomic<int> g_int_vector_bits[kWidthFamilies][kWidthRegimes];
 // reason; read relaxed (a hint: a worker that sees the old value a moment longer is fine).
 enum WeightPrefetch : int { kPrefetchT0 = 0, kPrefetchNta = 1, kPrefetchT1 = 2, kPrefetchNone = 3 };
 enum PrefetchFamily : int { kPrefetchDigits = 0, kPrefetchNatural = 1, kPrefetchFloat = 2, kPrefetchFamilies = 3 };
-static_assert(int(kPrefetchDigits) == int(kWidthDigits) && int(kPrefetchNatural) == int(kWidthNatural),
-              "the prefetch families extend the width families");
+static_assert(int(kPrefetchDigits) == int(kWidthDigits) && int(kPrefetchNatural) == int(kWidthNatural) &&
+                  int(kPrefetchFloat) == int(kWidthFloat) && int(kPrefetchFamilies) == int(kWidthFamilies),
+              "the prefetch families are the width families");
 // The family of a method's GEMV from the activation layout it reads (MethodTraits::gemv_act).
-inline int prefetch_family(int act_mode) { return act_mode == kActNone ? kPrefetchFloat : width_family(act_mode); }
+inline int prefetch_family(int act_mode) { return width_family(act_mode); }
 extern std::atomic<int> g_weight_prefetch[kPrefetchFamilies];
 // From this K on, a decode GEMV on fp32 activations (bf16, fp8) streams several rows a pass, sharing each
 // load of x: x's fp32 row then fills half of this CPU's L1d or more (cpu_features.cpp).

@@ -56,7 +56,8 @@ class LinearJob final : public Job {
     if (x_dtype_ == kBF16Data) xf_ = uninit<float>(size_t(T) * K_);
     xh_ = bf16_x(kt, x, x_dtype);
     if (gemv_)  // the GEMM path reads fp32 rows
-      x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T), engine::act_one_digit(w.method));
+      x_act_.allocate(T, K_, act_quant_for(kt, w.method, K_, T), engine::act_one_digit(w.method),
+                      engine::float_gemv_wide(T));
     // AMX: each token chunk packed once (phase 1) for all its row items (engine::GroupTiles), or by its
     // item where it has one (moe_engine.cpp: MoEJob's experts the same way).
     if (!gemv_ && engine::tile_gemm(kt) && T > 0) {

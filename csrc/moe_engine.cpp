@@ -69,14 +69,15 @@ class MoEJob final : public Job {
     const auto gemv_layout = [&](int method, int K) {
       return any_gemv ? act_quant_for(kt, method, K, busiest) : kActNone;
     };
-    x_act_.allocate(T, H, gemv_layout(gate.method, H), engine::act_one_digit(gate.method));
+    const bool float_wide = engine::float_gemv_wide(busiest);
+    x_act_.allocate(T, H, gemv_layout(gate.method, H), engine::act_one_digit(gate.method), float_wide);
     // Gate and up in methods whose GEMVs read different layouts (a GGUF file may store them in two
     // types) each get their own copy of the activations.
     const int up_mode = gemv_layout(up.method, H);
     if (up_mode != x_act_.mode || engine::act_one_digit(up.method) != x_act_.one_digit)
-      xu_act_.allocate(T, H, up_mode, engine::act_one_digit(up.method));
+      xu_act_.allocate(T, H, up_mode, engine::act_one_digit(up.method), float_wide);
     h_ = uninit<float>(size_t(S_) * I);
-    h_act_.allocate(S_, I, gemv_layout(down.method, I), engine::act_one_digit(down.method));
+    h_act_.allocate(S_, I, gemv_layout(down.method, I), engine::act_one_digit(down.method), float_wide);
     // A bf16 model's GEMM-path experts take VDPBF16PS against its bf16 activations: bf16 weights as
     // stored, any other method's rows dequantized and rounded to bf16 (what the model computes with
     // when it dequantizes the checkpoint into its dtype; twice the products an instruction of the

@@ -24,9 +24,10 @@ def test_candidates_are_the_tuners_choices_once_each() -> None:
             (b, p) for b in (0, 256, 512) for p in ("nta", "t0", "t1", "none")
         }
     assert {c.bits for c in got if c.gemv_max == 0} == {0}  # no GEMV runs: its width changes nothing
-    # bf16's GEMV has one width; AVX-512 beside AMX tiles
+    # bf16's VDPBF16PS GEMV has a width of its own, fp8's GEMV one width; AVX-512 beside AMX tiles
     bf16 = candidates("bf16", Config("amx", 0, "t0", 4), ("amx", "avx512"), 512)
-    assert {c.bits for c in bf16} == {0} and {c.isa for c in bf16} == {"amx", "avx512"}
+    assert {c.bits for c in bf16} == {0, 256, 512} and {c.isa for c in bf16} == {"amx", "avx512"}
+    assert {c.bits for c in candidates("fp8", Config("amx", 0, "t0", 4), ("amx", "avx512"), 512)} == {0}
 
 
 def test_switches_at_or_above_the_token_count_are_one_candidate() -> None:

@@ -257,7 +257,8 @@ def test_each_family_and_regime_runs_at_its_own_width() -> None:
     """The integer GEMVs' width is set per family (4-bit digits, int16 codes) and regime (decode: at
     most 4 tokens an expert; prompt: more): a job runs at the width of its family in its regime. Seen
     in the results: the 256- and 512-bit loops sum in different orders, so each width's output is its
-    own, bit for bit (checked first: were they equal, this test could not tell them apart)."""
+    own, bit for bit (checked first: were they equal, this test could not tell them apart). bf16's
+    family: test_bf16_gemv_runs_at_its_familys_width."""
     if "avx512" not in ISAS:
         pytest.skip("this CPU has no AVX-512")
     select_isa("avx512")  # before the engines are made: each keeps the variant selected then
@@ -271,6 +272,7 @@ def test_each_family_and_regime_runs_at_its_own_width() -> None:
     prompt_ids = torch.arange(8).repeat(8).view(32, 2)  # 8 tokens an expert: the prompt regime
     prompt = (torch.randn(32, 512, generator=g), prompt_ids, torch.rand(32, 2, generator=g))
     few = (torch.randn(12, 512, generator=g), ids, torch.rand(12, 2, generator=g))
+
     try:
         alone = {}
         for bits in (256, 512):
@@ -280,12 +282,12 @@ def test_each_family_and_regime_runs_at_its_own_width() -> None:
             for i in range(3):
                 assert not torch.equal(alone[256][m][i], alone[512][m][i]), (m, i)
         set_int_vector_bits(0)
-        set_int_vector_bits(256, "int8", "decode")
-        set_int_vector_bits(512, "int8", "prompt")
-        set_int_vector_bits(512, "int4", "decode")
-        set_int_vector_bits(256, "int4", "prompt")
+        widths = {"int8": (256, 512), "int4": (512, 256)}  # decode, prompt
+        for m, (d, p) in widths.items():
+            set_int_vector_bits(d, m, "decode")
+            set_int_vector_bits(p, m, "prompt")
         assert int_vector_bits("int8", "decode") == 256 and int_vector_bits("int4", "prompt") == 256
-        for m, (d, p) in {"int8": (256, 512), "int4": (512, 256)}.items():
+        for m, (d, p) in widths.items():
             got = [experts[m].forward(*a) for a in (decode, few, prompt)]
             assert torch.equal(got[0], alone[d][m][0]) and torch.equal(got[1], alone[d][m][1]), m
             assert torch.equal(got[2], alone[p][m][2]), m
@@ -295,6 +297,51 @@ def test_each_family_and_regime_runs_at_its_own_width() -> None:
         set_int_vector_bits(512, "int2")
     with pytest.raises(ValueError, match="regime"):
         set_int_vector_bits(512, "int8", "prefill")
+
+
+def test_bf16_gemv_runs_at_its_familys_width() -> None:
+    """The bf16 GEMV on bf16 activations (VDPBF16PS) runs at its own family's width ("bf16") in each
+    regime (a linear's job: at most 4 tokens decode, more prompt), apart from the integer families.
+    Its 256- and 512-bit loops sum the same exact products in different orders, so the fp32 outputs
+    differ, bit for bit, and each is within fp32 summation error of the float64 product."""
+    if "avx512" not in ISAS or not engine_module().cpu_features()["avx512_bf16"]:
+        pytest.skip("this CPU has no AVX512-BF16")
+    from hetmoe.runtime.cpu_linear import _ENGINE_DTYPES, CPULinear
+
+    select_isa("avx512")
+    g = torch.Generator().manual_seed(5)
+    w = get_codec("bf16").quantize(torch.randn(512, 2048, generator=g) * 0.02)
+    lin = CPULinear(w, gemv_max_tokens=1000)
+    ref_w = get_codec("bf16").dequantize(w, torch.float32).double()
+    xs = [torch.randn(t, 2048, generator=g).bfloat16() for t in (1, 8)]  # decode, prompt
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # fp32 out (the engine's own call), nothing rounded after
+        y = torch.empty(x.shape[0], 512)
+        lin._engine.forward(x.data_ptr(), _ENGINE_DTYPES[x.dtype], x.shape[0], y.data_ptr(), _ENGINE_DTYPES[y.dtype])
+        return y
+
+    try:
+        alone = {}
+        for bits in (256, 512):
+            set_int_vector_bits(bits)
+            alone[bits] = [run(x) for x in xs]
+            for x, y in zip(xs, alone[bits], strict=True):
+                ref = x.double() @ ref_w.T
+                # exact products in fp32 sums of 2048 terms: the exact-fp32 paths' bound (their rounding grows
+                # as the square root of the terms: ~sqrt(2048) * 2^-24 = 3e-6 relative)
+                assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+        for i in range(2):
+            assert not torch.equal(alone[256][i], alone[512][i]), i
+        set_int_vector_bits(0)
+        set_int_vector_bits(512, "int4")
+        set_int_vector_bits(512, "int8")  # the integer families' widths do not move bf16's
+        for d, p in ((256, 512), (512, 256)):
+            set_int_vector_bits(d, "bf16", "decode")
+            set_int_vector_bits(p, "bf16", "prompt")
+            got = [run(x) for x in xs]
+            assert torch.equal(got[0], alone[d][0]) and torch.equal(got[1], alone[p][1]), (d, p)
+    finally:
+        set_int_vector_bits(0)
 
 
 def test_default_gemv_switch_follows_the_vector_width() -> None:

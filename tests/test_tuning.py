@@ -45,7 +45,7 @@ def small_tuner(monkeypatch, tmp_path):
 
 def test_tune_measures_caches_and_applies(small_tuner) -> None:
     record = tuning.tune()
-    widths = record["int_vector_bits"]  # a width for each family of integer GEMVs in each regime
+    widths = record["int_vector_bits"]  # a width for each family of GEMVs in each regime
     assert set(widths) == set(WIDTH_FAMILIES) and all(set(r) == set(WIDTH_REGIMES) for r in widths.values())
     assert all(b in (256, 512) for r in widths.values() for b in r.values())
     # a weight prefetch for each family of GEMVs, each candidate timed on its family's method, applied

@@ -105,8 +105,9 @@ def candidates(method: str, default: Config, isas: tuple[str, ...], tokens: int)
     def effective(switch: int) -> int:
         return GEMV_ALL_TOKENS if switch >= tokens else switch
 
-    # the methods with integer GEMVs, whose width is a choice (engine_layout.WIDE_GEMV_METHODS)
-    widths = (256, 512) if method in WIDE_GEMV_METHODS and default.isa != "avx2" else (default.bits,)
+    # the methods whose GEMV width is a choice: the integer GEMVs (engine_layout.WIDE_GEMV_METHODS) and
+    # bf16's VDPBF16PS loop
+    widths = (256, 512) if method in (*WIDE_GEMV_METHODS, "bf16") and default.isa != "avx2" else (default.bits,)
     widths = (default.bits, *widths)  # the tuned widths, then each width for every regime
     switches = sorted(
         {effective(s) for s in (0, GEMV_ALL_TOKENS, *TOKENS_PER_EXPERT[1:])} - {effective(default.gemv_max)}
@@ -116,7 +117,7 @@ def candidates(method: str, default: Config, isas: tuple[str, ...], tokens: int)
         isas, widths, PREFETCH_CHOICES, [effective(default.gemv_max), *switches]
     ):
         if switch == 0 and bits != default.bits:
-            continue  # every expert on the GEMM path: no integer GEMV runs, its width changes nothing
+            continue  # every expert on the GEMM path: no GEMV runs, its width changes nothing
         c = Config(isa, bits, prefetch, switch)
         same_as_default = (isa, bits, prefetch, switch) == (
             default.isa,

@@ -138,7 +138,7 @@ def _verdict(r: dict[str, Any]) -> list[str]:
 
 
 def _widths(widths: object) -> str:
-    """The integer GEMVs' widths as the engine reports them (kernels.dispatch.int_vector_widths): "int4 512,
+    """The GEMVs' widths as the engine reports them (kernels.dispatch.int_vector_widths): "int4 512,
     int8 256 (decode) / 512 (prompt) bits wide"."""
     if not isinstance(widths, dict):
         return f"{widths} bits wide"
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         int8_act = eng.get("activation_bits") == 8
         print(
             f"engine   best variant {eng['best']}, selected {eng['selected']}, "
-            f"integer GEMVs {_widths(eng['int_vector_bits'])}, weight prefetch {_prefetches(eng['weight_prefetch'])}"
+            f"GEMVs {_widths(eng['int_vector_bits'])}, weight prefetch {_prefetches(eng['weight_prefetch'])}"
             + (", 4- to 6-bit GEMVs on int8 activations (HETMOE_ACTIVATION_BITS=8)" if int8_act else "")
         )
         pool = eng["pool"]
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             switch = ", ".join(f"{m} {_tokens(v)}" for m, v in tr["gemv_max"].items())
             print(
-                f"tuned    integer GEMVs {_widths(tr['int_vector_bits'])}, "
+                f"tuned    GEMVs {_widths(tr['int_vector_bits'])}, "
                 f"weight prefetch {_prefetches(tr.get('weight_prefetch', '-'))}; "
                 f"GEMV up to (tokens an expert): {switch} "
                 f"({tr['isa']}, {tr['measured_at']}, {tr['seconds']} s)"

@@ -4,11 +4,12 @@ The variant is chosen once per process from CPUID (best of amx > avx512 > avx2),
 ``HETMOE_ISA=avx2|avx512|amx``; forcing one the CPU (or OS) lacks raises a ValueError that says
 what is missing, it never executes an illegal instruction.
 
-Within the AVX-512 variant the integer GEMVs run 256 or 512 bits wide, chosen apart for the 4-bit
-ones and the int16-code ones (int8, Q8_0): before tuning 512 on AMD (Zen 5 runs 512-bit integer ops
-at full width), 256 elsewhere (on Intel they streamed rows no faster, measured); the tuner measures
-each family for decode and for prompts (runtime/tuning.py); ``HETMOE_INT_VECTOR_BITS=256|512`` (all of
-them) or :func:`set_int_vector_bits` chooses.
+Within the AVX-512 variant the integer GEMVs and the bf16 GEMV on bf16 activations (VDPBF16PS) run
+256 or 512 bits wide, chosen apart for the 4-bit ones, the int16-code ones (int8, Q8_0) and bf16:
+before tuning 512 on AMD (Zen 5 runs 512-bit integer ops at full width), 256 elsewhere (on Intel they
+streamed rows no faster, and the bf16 GEMV slower, measured); the tuner measures each family for
+decode and for prompts (runtime/tuning.py); ``HETMOE_INT_VECTOR_BITS=256|512`` (all of them) or
+:func:`set_int_vector_bits` chooses.
 
 The GEMVs prefetch the weight rows they stream ahead of use: before tuning non-temporally on AMD (a
 row read once a step then stops evicting what the step reuses: measured faster on Zen 5) and into
@@ -123,11 +124,13 @@ def set_idle_spin_us(us: int) -> None:
     engine_module().set_idle_spin_us(int(us))
 
 
-# The integer GEMVs' width is chosen apart per family (csrc/kernels.h IntWidthFamily): "int4", the 4-bit
-# digit GEMVs (int4, gptq, mxfp4, GGUF's 4-6-bit types), and "int8", the int16-code ones (int8, Q8_0);
-# each layout's family is in its traits row (``gemv_width``). And per regime (IntWidthRegime):
-# "decode", a job whose every GEMV call is one pass (at most 4 tokens an expert), and "prompt".
-WIDTH_FAMILIES = {"int4": 0, "int8": 1}
+# The GEMVs' width is chosen apart per family (csrc/kernels.h IntWidthFamily): "int4", the 4-bit
+# digit GEMVs (int4, gptq, mxfp4, GGUF's 4-6-bit types), "int8", the int16-code ones (int8, Q8_0), and
+# "bf16", the bf16 GEMV on bf16 activations (VDPBF16PS, where the CPU has AVX512-BF16; the fp32-activation
+# GEMVs of bf16 and fp8 run the variant's full width); each layout's family is in its traits row
+# (``gemv_width``). And per regime (IntWidthRegime): "decode", a job whose every GEMV call is one pass
+# (at most 4 tokens an expert), and "prompt".
+WIDTH_FAMILIES = {"int4": 0, "int8": 1, "bf16": 2}
 WIDTH_REGIMES = {"decode": 0, "prompt": 1}
 
 
@@ -135,21 +138,22 @@ def _width_index(table: dict[str, int], what: str, key: str | None) -> int:
     if key is None:
         return -1
     if key not in table:
-        raise ValueError(f"integer GEMV {what}: expected one of {sorted(table)}, got {key!r}")
+        raise ValueError(f"GEMV width {what}: expected one of {sorted(table)}, got {key!r}")
     return table[key]
 
 
 def set_int_vector_bits(bits: int, family: str | None = None, regime: str | None = None) -> None:
-    """Width of the AVX-512 variant's integer GEMVs: 256, 512, or 0 for this CPU's default, for one
-    family (``"int4"``, ``"int8"``) and regime (``"decode"``, ``"prompt"``), or all of them (None);
-    applies from the next engine call (the AVX2 variant is always 256)."""
+    """Width of the AVX-512 variant's GEMVs: 256, 512, or 0 for this CPU's default, for one family
+    (``"int4"``, ``"int8"``, ``"bf16"``) and regime (``"decode"``, ``"prompt"``), or all of them (None);
+    applies from the next engine call (the AVX2 variant is always 256). The name is older than the
+    bf16 family."""
     engine_module().set_int_vector_bits(
         int(bits), _width_index(WIDTH_FAMILIES, "family", family), _width_index(WIDTH_REGIMES, "regime", regime)
     )
 
 
 def int_vector_bits(family: str = "int4", regime: str = "prompt") -> int:
-    """The width ``family``'s integer GEMVs run at in ``regime`` (see set_int_vector_bits)."""
+    """The width ``family``'s GEMVs run at in ``regime`` (see set_int_vector_bits)."""
     f = _width_index(WIDTH_FAMILIES, "family", family)
     r = _width_index(WIDTH_REGIMES, "regime", regime)
     return int(engine_module().int_vector_bits(f, r))
@@ -160,15 +164,15 @@ def int_vector_widths() -> dict[str, dict[str, int]]:
     return {f: {r: int_vector_bits(f, r) for r in WIDTH_REGIMES} for f in WIDTH_FAMILIES}
 
 
-_width_families: dict[str, str | None] | None = None
+_width_families: dict[str, str] | None = None
 
 
-def gemv_width_family(layout: str) -> str | None:
-    """The integer GEMV family of a stored layout (``"int8"``, ``"gguf:q4_k"``, ...) from its traits row:
-    "int4", "int8", or None where it has no integer GEMV; a KeyError for a layout without a row."""
+def gemv_width_family(layout: str) -> str:
+    """The GEMV family of a stored layout (``"int8"``, ``"gguf:q4_k"``, ...) from its traits row: "int4",
+    "int8" or "bf16" (WIDTH_FAMILIES); a KeyError for a layout without a row."""
     global _width_families
     if _width_families is None:
-        _width_families = {row["name"]: row["gemv_width"] or None for row in engine_module().methods()}
+        _width_families = {row["name"]: row["gemv_width"] for row in engine_module().methods()}
     return _width_families[layout]
 
 

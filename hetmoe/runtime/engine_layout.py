@@ -64,10 +64,11 @@ def gemv_is_wide(projections: list[QuantizedTensor]) -> bool:
 _LAYOUT_OF = {"int4-asym": "int4", "gptq": "int4", "fp8-channel": "fp8"}
 
 
-def _integer_family(method: str) -> str | None:
-    """The integer GEMV family of ``method``'s layout from its traits row ("int4", "int8", or None for
-    a GEMV on float arithmetic); "int4" for a method without a row of its own (GGUF types the engine
-    transcodes: never wide)."""
+def gemv_width_family(method: str) -> str:
+    """The GEMV family (kernels.dispatch.WIDTH_FAMILIES, PREFETCH_FAMILIES) of ``method``'s layout from
+    its traits row: "int4" (4- to 6-bit digits), "int8" (int16 codes), or "bf16" (float arithmetic:
+    bf16, fp8); "int4" for a method without a row of its own (GGUF types the engine transcodes: never
+    wide)."""
     from ..kernels.dispatch import gemv_width_family as layout_family
 
     try:
@@ -76,16 +77,10 @@ def _integer_family(method: str) -> str | None:
         return "int4"
 
 
-def gemv_width_family(method: str) -> str:
-    """The integer GEMV family (kernels.dispatch.WIDTH_FAMILIES) whose width ``method``'s GEMV runs at;
-    "int4" for a method without an integer GEMV, whose width changes nothing."""
-    return _integer_family(method) or "int4"
-
-
 def prefetch_family(method: str) -> str:
-    """The weight-prefetch family (kernels.dispatch.PREFETCH_FAMILIES) of ``method``'s GEMV: its
-    integer GEMV family, or "bf16" for the GEMVs on float arithmetic (bf16, fp8)."""
-    return _integer_family(method) or "bf16"
+    """The weight-prefetch family (kernels.dispatch.PREFETCH_FAMILIES) of ``method``'s GEMV: its width
+    family (the engine's families are the same for both)."""
+    return gemv_width_family(method)
 
 
 @dataclass

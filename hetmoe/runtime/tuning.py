@@ -4,10 +4,11 @@ What is fastest differs between CPUs more than any rule of thumb says: on a Zen 
 GEMVs win, on an Intel Xeon with AMX the 512-bit GEMVs win at 1-128 tokens while AMX tiles win at 512
 (measured, docs/benchmarks.md). So, once per (CPU model, threads, kernel variant), the tuner times:
 
-- the integer GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4- to 6-bit GEMVs on
-  int4, Q4_0, Q4_K and Q6_K together and the int16-code ones on int8, each on decode (the layer's
-  experts and a dense MLP's long GEMVs) and on 8 tokens an expert apart (the engine runs a job whose
-  busiest expert has at most 4 tokens at the decode width);
+- the GEMVs' width (256 or 512 bits, AVX-512 variants only), for the 4- to 6-bit GEMVs on int4,
+  Q4_0, Q4_K and Q6_K together, the int16-code ones on int8, and bf16's VDPBF16PS loop on bf16 and
+  fp8 (where the CPU has AVX512-BF16; fp8's GEMV is timed with it, its width unchanged), each on
+  decode (the layer's experts and a dense MLP's long GEMVs) and on 8 tokens an expert apart (the
+  engine runs a job whose busiest expert has at most 4 tokens at the decode width);
 - how the GEMVs prefetch the weights they stream (into every cache level, into L2 but not L1,
   non-temporally, or not at all), per family on the decode of its methods together (bf16 and fp8;
   int8; int4, Q4_0, Q4_K and Q6_K): on an AMX Xeon non-temporal took 1.3-2.4x as long and L2 was the
@@ -61,9 +62,11 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS, prefetch_family
 
 TUNE_ENV = "HETMOE_TUNE"
-# 17: the integer GEMVs prefetch again (from version 16's commit on, the compiler had deleted their
-# prefetches, so the 4-bit and int8 families were tuned with every hint a no-op), and each family's
-# width and prefetch are timed on all its tuned methods together; 16: the weight
+# 18: the bf16 GEMV on bf16 activations has a width of its own (on an AMX Xeon 256 bits streamed a
+# bf16 layer 8-15% faster than 512); 17: the integer GEMVs prefetch again (from version 16's commit
+# on, the compiler had deleted their prefetches, so the 4-bit and int8 families were tuned with
+# every hint a no-op), and each family's width and prefetch are timed on all its tuned methods
+# together; 16: the weight
 # prefetch per family of GEMVs (on a Zen 4 the 4-bit ones have at times streamed faster with a
 # software prefetch, bf16 without); 15: the weight prefetch has a fourth candidate,
 # none (the bf16 GEMV on bf16 activations streams faster without it on a Zen 4); 14: the weight
@@ -72,7 +75,7 @@ TUNE_ENV = "HETMOE_TUNE"
 # 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
 # pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit
 # GEMMs on AMX take int8 digit tiles)
-TUNING_VERSION = 17
+TUNING_VERSION = 18
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
@@ -232,7 +235,7 @@ def tune(log=None) -> dict[str, Any]:
                     times = _candidate_times(runs, inputs, reps=reps)
                     record["timings_ms"][f"{m} gemv {label}"] = {b: round(v * 1e3, 3) for b, v in times.items()}
                     chosen[m][regime] = min(widths, key=lambda b: times[str(b)])
-            log(f"tuned the integer GEMVs' widths: {chosen}")
+            log(f"tuned the GEMVs' widths: {chosen}")
         record["int_vector_bits"] = chosen
         env_bits = os.environ.get(INT_VECTOR_BITS_ENV, "").strip()
         if env_bits:  # the override holds for this process; the switches below are measured with it
