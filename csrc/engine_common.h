@@ -296,7 +296,7 @@ inline bool float_gemv_wide(int tokens) { return gemv_bits(kActNone, tokens) == 
 struct ActBuffers {
   int K = 0, mode = kActNone;
   bool one_digit = false;  // the codes at int8 level (act_one_digit of the method the rows are for)
-  bool float_wide = false;  // Act::wide of a float GEMV's rows (mode kActNone): float_gemv_wide
+  bool wide = false;  // Act::wide: mode's 512-bit layouts, or for a float GEMV (kActNone) float_gemv_wide
   Buf<int16_t> q;
   Buf<float> d;
   Buf<int32_t> sum;
@@ -305,7 +305,7 @@ struct ActBuffers {
     K = k;
     mode = m;
     one_digit = one && mode != kActNone;
-    float_wide = wide_float && mode == kActNone;
+    wide = mode == kActNone ? wide_float : act_is_wide(mode);
     if (mode == kActNone) return;
     q = uninit<int16_t>(size_t(rows) * K);
     d = uninit<float>(size_t(rows) * (K / kActBlock));
@@ -320,7 +320,7 @@ struct ActBuffers {
   Act act(const float* row, int r) const {
     Act a;
     a.f = row;
-    a.wide = mode == kActNone ? float_wide : act_is_wide(mode);
+    a.wide = wide;
     a.one_digit = one_digit;
     if (mode != kActNone) {
       const size_t nb = K / kActBlock;

@@ -130,7 +130,7 @@ def set_idle_spin_us(us: int) -> None:
 # GEMVs of bf16 and fp8 run the variant's full width); each layout's family is in its traits row
 # (``gemv_width``). And per regime (IntWidthRegime): "decode", a job whose every GEMV call is one pass
 # (at most 4 tokens an expert), and "prompt".
-WIDTH_FAMILIES = {"int4": 0, "int8": 1, "bf16": 2}
+WIDTH_FAMILIES = PREFETCH_FAMILIES  # the same three (csrc/kernels.h: one static_assert)
 WIDTH_REGIMES = {"decode": 0, "prompt": 1}
 
 

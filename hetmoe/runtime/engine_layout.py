@@ -77,10 +77,9 @@ def gemv_width_family(method: str) -> str:
         return "int4"
 
 
-def prefetch_family(method: str) -> str:
-    """The weight-prefetch family (kernels.dispatch.PREFETCH_FAMILIES) of ``method``'s GEMV: its width
-    family (the engine's families are the same for both)."""
-    return gemv_width_family(method)
+# The weight-prefetch family (kernels.dispatch.PREFETCH_FAMILIES) of a method's GEMV: the engine's
+# prefetch families are its width families (csrc/kernels.h).
+prefetch_family = gemv_width_family
 
 
 @dataclass
