@@ -320,6 +320,23 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"), py::arg("w"), py::arg("x"), py::arg("rows"), py::arg("tokens"), py::arg("k"), py::arg("w_lo"),
       py::arg("x_lo"), py::arg("c"));
   m.def(
+      "activation_codes",
+      [](const std::string& isa, uintptr_t x_ptr, int K, int layout, bool one_digit, uintptr_t q_ptr, uintptr_t d_ptr,
+         uintptr_t sum_ptr) {
+        // For tests (tests/test_activation_codes.py): one fp32 row x [K] quantized by a variant's
+        // quantize_row into `layout` (kernels.h: ActQuant): q (2 K bytes), d (K / 32 floats), sum
+        // (act_sums(layout, K) int32).
+        const KernelTable* kt = table_for(isa);
+        if (layout <= kActNone || layout > kActPairsHalves)
+          throw py::value_error("activation_codes: layout 1-9 (kernels.h: ActQuant), found " + std::to_string(layout));
+        if (K <= 0 || K % kActBlock) throw py::value_error("activation_codes: K a positive multiple of 32");
+        py::gil_scoped_release release;
+        kt->quantize_row(reinterpret_cast<const float*>(x_ptr), K, layout, reinterpret_cast<int16_t*>(q_ptr),
+                         reinterpret_cast<float*>(d_ptr), reinterpret_cast<int32_t*>(sum_ptr), one_digit);
+      },
+      py::arg("isa"), py::arg("x"), py::arg("k"), py::arg("layout"), py::arg("one_digit"), py::arg("q"), py::arg("d"),
+      py::arg("sum"));
+  m.def(
       "tile_pack_digits",
       [](const std::string& isa, uintptr_t x_ptr, int T, int K, bool two_step, uintptr_t hi_ptr, uintptr_t lo_ptr,
          uintptr_t d_ptr) {
