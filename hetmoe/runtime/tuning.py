@@ -62,8 +62,10 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS, prefetch_family
 
 TUNE_ENV = "HETMOE_TUNE"
-# 18: the bf16 GEMV on bf16 activations has a width of its own (on an AMX Xeon 256 bits streamed a
-# bf16 layer 8-15% faster than 512); 17: the integer GEMVs prefetch again (from version 16's commit
+# 19: the 512-bit int4 decode GEMV reads two rows at once, and the activation quantizer and the
+# decode down projection cost less around the GEMVs (the prefetch hint is measured again); 18: the
+# bf16 GEMV on bf16 activations has a width of its own (on an AMX Xeon 256 bits streamed a bf16
+# layer 8-15% faster than 512); 17: the integer GEMVs prefetch again (from version 16's commit
 # on, the compiler had deleted their prefetches, so the 4-bit and int8 families were tuned with
 # every hint a no-op), and each family's width and prefetch are timed on all its tuned methods
 # together; 16: the weight
@@ -75,7 +77,7 @@ TUNE_ENV = "HETMOE_TUNE"
 # 12: each candidate runs with its code in cache, as in a model (11: the layers it times are on huge
 # pages, as a model's weights are; 10: the integer GEMVs' width per family and regime; 9: 4-bit
 # GEMMs on AMX take int8 digit tiles)
-TUNING_VERSION = 18
+TUNING_VERSION = 19
 # Method families: the methods whose GEMV and GEMM paths share kernels and costs closely enough that
 # one measurement serves them all.
 FAMILIES: dict[str, str] = {
