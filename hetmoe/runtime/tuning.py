@@ -62,7 +62,7 @@ from ..kernels.machine import cache_path
 from .engine_layout import GEMV_ALL_TOKENS, prefetch_family
 
 TUNE_ENV = "HETMOE_TUNE"
-# 19: the 512-bit int4 decode GEMV reads two rows at once, and the activation quantizer and the
+# 19: the int4 (512-bit) and int8 (256-bit) decode GEMVs read two rows at once, the activation quantizer and the
 # decode down projection cost less around the GEMVs (the prefetch hint is measured again); 18: the
 # bf16 GEMV on bf16 activations has a width of its own (on an AMX Xeon 256 bits streamed a bf16
 # layer 8-15% faster than 512); 17: the integer GEMVs prefetch again (from version 16's commit
