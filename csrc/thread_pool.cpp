@@ -43,12 +43,6 @@ void set_affinity(pthread_t thread, const std::vector<int>& allowed, int avoid) 
   if (count > 0) pthread_setaffinity_np(thread, sizeof(set), &set);  // best effort
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 }  // namespace
 
 // Between phases of a job the next one is published within microseconds (after the last job,

@@ -35,6 +35,27 @@
 
 namespace hetmoe {
 
+// The pause of a spin loop (it leaves the core's resources to its sibling hyperthread meanwhile).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins until ready() holds, for an item that reads what an item claimed before it in the same phase
+// writes (items are claimed in order, so that one is running, or done, and never waits on this one);
+// past a few microseconds it gives the core away between checks, as the writer's thread may not be
+// running (more pool threads than CPUs).
+template <class Ready>
+void spin_until(Ready ready) {
+  for (int i = 0; !ready(); ++i) {
+    if (i < 4096)
+      cpu_relax();
+    else
+      std::this_thread::yield();
+  }
+}
+
 struct Phase {
   int items = -1;  // -1: the job has no more phases; 0: this phase is empty and skipped
   std::function<void(int item, int worker)> run;
