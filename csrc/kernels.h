@@ -150,6 +150,9 @@ struct KernelTable {
   // Clamped SwiGLU of gpt-oss: g = min(g, limit); u = clamp(u, -limit, limit);
   // h = (u + 1) * g * sigmoid(alpha * g)
   void (*swiglu_oai)(const float* g, const float* u, float* h, int n, float alpha, float limit);
+  // y[i] = sum over j < m of w[j] * rows[j][i], for i < n: a token's expert outputs weighted and
+  // summed, one fused multiply-add a term, in order of j (zeros where m = 0)
+  void (*weighted_sum)(const float* const* rows, const float* w, int m, int n, float* y);
   // dst[i] = float(src_bf16[i])
   void (*bf16_to_f32)(const uint16_t* src, float* dst, int n);
   // dst[i] = bf16(src[i]), round to nearest even, NaN kept a (quiet) NaN

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <thread>
@@ -17,7 +16,6 @@ using engine::act_quant_for;
 using engine::bf16_dot;
 using engine::bf16_rows;
 using engine::ActBuffers;
-using engine::f32_to_bf16;
 using engine::item_rows;
 using engine::sized;
 using engine::tile_gemm;
@@ -28,6 +26,8 @@ using engine::uninit;
 struct Scratch {
   std::vector<float> panel_a, panel_b, block;
   std::vector<uint16_t> bf16_a, bf16_b;
+  std::vector<const float*> rows;  // combine's: a token's expert output rows, and their weights
+  std::vector<float> weights;
 };
 thread_local Scratch tl_scratch;
 thread_local engine::GroupTiles tl_own_tiles;  // an item's own packed activations (MoEJob::x_acts, h_acts)
@@ -464,22 +464,23 @@ class MoEJob final : public Job {
       for (int r = 0; r < R; ++r) out[size_t(i) * H_ + r] += b[r];
   }
 
+  // Token t's output: its experts' rows weighted and summed in the kernels' vectors (a prompt of 512
+  // tokens reads 8 rows of H a token: 33.5 MB in a Qwen3-30B-A3B layer, where the scalar loop of
+  // this file's baseline flags took ~3.7% of the int4 layer's time on the AMX Xeon).
   void combine(int t) {
-    float* acc = sized(tl_scratch.block, H_);
-    std::fill(acc, acc + H_, 0.f);
+    Scratch& sc = tl_scratch;
+    sc.rows.clear();
+    sc.weights.clear();
     for (int j = 0; j < topk_; ++j) {
       const int s = slot_of_[t * topk_ + j];
       if (s < 0) continue;
-      const float w = weights_[t * topk_ + j];
-      const float* src = ybuf_.get() + size_t(s) * H_;
-      for (int i = 0; i < H_; ++i) acc[i] += w * src[i];
+      sc.rows.push_back(ybuf_.get() + size_t(s) * H_);
+      sc.weights.push_back(weights_[t * topk_ + j]);
     }
-    if (x_dtype_ == kBF16Data) {
-      uint16_t* dst = static_cast<uint16_t*>(y_) + size_t(t) * H_;
-      for (int i = 0; i < H_; ++i) dst[i] = f32_to_bf16(acc[i]);
-    } else {
-      std::memcpy(static_cast<float*>(y_) + size_t(t) * H_, acc, sizeof(float) * H_);
-    }
+    const bool bf16 = x_dtype_ == kBF16Data;
+    float* acc = bf16 ? sized(sc.block, H_) : static_cast<float*>(y_) + size_t(t) * H_;
+    kt_->weighted_sum(sc.rows.data(), sc.weights.data(), int(sc.rows.size()), H_, acc);
+    if (bf16) kt_->f32_to_bf16(acc, static_cast<uint16_t*>(y_) + size_t(t) * H_, H_);
   }
 
   int H_, I_;
