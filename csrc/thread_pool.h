@@ -44,15 +44,17 @@ inline void cpu_relax() {
 
 // Spins until ready() holds, for an item that reads what an item claimed before it in the same phase
 // writes (items are claimed in order, so that one is running, or done, and never waits on this one);
-// past a few microseconds it gives the core away between checks, as the writer's thread may not be
-// running (more pool threads than CPUs).
+// after 4096 pauses (tens to hundreds of microseconds, by the CPU's pause) it gives the core away
+// between checks, as the writer's thread may not be running (more pool threads than CPUs).
 template <class Ready>
 void spin_until(Ready ready) {
-  for (int i = 0; !ready(); ++i) {
-    if (i < 4096)
+  for (int pauses = 0; !ready();) {
+    if (pauses < 4096) {
       cpu_relax();
-    else
+      ++pauses;
+    } else {
       std::this_thread::yield();
+    }
   }
 }
 
