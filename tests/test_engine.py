@@ -732,10 +732,10 @@ def test_idle_pool_takes_no_cpu(weights) -> None:
 @pytest.mark.parametrize("method", ["int4", "bf16"])
 def test_decode_phase_on_pools_of_several_sizes(weights, method: str) -> None:
     """Where every expert takes the GEMVs, gate/up and down run as one phase, an expert's down items
-    waiting on its own gate/up items (MoEJob::fuse). On pools of 1, 2, 3 and 5 threads (one to four
-    items an expert), with a token routed nowhere and masked experts: the reference, and the same bits
-    in every run on a pool (its items split the rows the same way each time; a race on the
-    intermediate rows or on the sums would show as a difference between runs)."""
+    waiting on its own gate/up items (MoEJob::fuse). On pools of 1, 2, 3 and 5 threads (the larger
+    ones split each expert into several items), with a token routed nowhere and masked experts: the
+    reference, and the same bits in every run on a pool (its items split the rows the same way each
+    time; a race on the intermediate rows or on the sums would show as a difference between runs)."""
     mod = engine_module()
     before = mod.num_threads()
     ce = _experts(weights, method, gemv_max_tokens=1000)
