@@ -125,6 +125,12 @@ inline int act_tail_layout(int mode) {
   return mode == kActNaturalPairs || act_is_gguf_digits(mode) ? kActNatural : mode;
 }
 
+// Rows [r0, r0 + R) (R <= kAmxRows) of expert e of a projection: a block of one amx_gemm_digits call.
+struct RowBlock {
+  const Proj* p = nullptr;
+  int e = 0, r0 = 0, R = 0;
+};
+
 struct KernelTable {
   const char* name;
   // y[t * ldy + (n - n0)] = dot(W_e[n, :], x_t) for n in [n0, n1), t < T <= kGemvTokens.
@@ -204,9 +210,11 @@ struct KernelTable {
   void (*amx_gemm_nibble)(const Proj& p, int e, int r0, int R, const uint16_t* x_hi, const uint16_t* x_lo, int T,
                           const float* x_sum, float* c, int ldc);
   // The same for a projection whose traits row has kTileCodesDigits and K a multiple of 64 (tile_path.h's
-  // tile_digits): its weights as two int8 digits on TDPBSSD against amx_pack_i8's digits.
+  // tile_digits): its weights as two int8 digits on TDPBSSD against amx_pack_i8's digits. `next` (or
+  // nullptr): the block this thread's next call will take, another tile_digits one, whose weights are
+  // decoded into digits while this call's tiles run; a next call for another block decodes its own.
   void (*amx_gemm_digits)(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo,
-                          const float* x_scale, int T, float* c, int ldc);
+                          const float* x_scale, int T, float* c, int ldc, const RowBlock* next);
 };
 
 constexpr int kAmxRows = 32;  // weight rows of one amx_gemm call: two A tiles

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -930,53 +931,54 @@ inline __m512i q4k_step_table(const float* s, const float* m, int g) {
                                         _mm512_cvtps_epi32(_mm512_fmadd_ps(cy, sv, mv))));
 }
 
-// Rows [r0, r0 + rows) of expert e as digits: a_hi/a_lo[r * K + k] (zero rows past R) and unit[r] = U.
-// A row with a NaN or infinite scale (which the loaders refuse: formats/base.py) gets a NaN unit and zero digits.
+// The decode's per-thread scratch: a row's group scales (Q4_K: s') and Q4_K's m'; b_g (kNibbleZeros:
+// 16 - zero_g) in both words of a dword.
+struct DigitScratch {
+  std::vector<float> sc, mins;
+  std::vector<int32_t> bb, zz;
+};
+// Rows [n0, n1) of expert e as digits, a_hi/a_lo[i * K + k] for row n0 + i, and unit[i] = U. A row with
+// a NaN or infinite scale (which the loaders refuse: formats/base.py) gets a NaN unit and zero digits.
 // Each 64-weight step computes its 32 codes' q once (a table of 2 x 16 words, digit_step_table) rather
 // than each weight's, and two VPERMB look up every weight's lo and hi digits in it. (perf on the int4
 // layer at 512 tokens: the per-weight VPMULHRSW, packs and lane fixes were half of the kernel's samples.
 // Decoding a step of all 32 rows at a time, one step ahead of the tiles that read it, measured slower,
 // padded off K's power-of-two row stride or not: docs/benchmarks.md.)
 template <int Decode, int Kind>
-void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_hi, int8_t* a_lo, float* unit) {
+void decode_digit_rows(const Proj& p, int e, int n0, int n1, int8_t* a_hi, int8_t* a_lo, float* unit,
+                       DigitScratch& ds) {
   const int K = p.k;
   // scales inside the blocks: one a block (sub-block) of 32, Q6_K's one a 16
   constexpr bool inner_scales = Decode == kNibbleQ4_0 || Decode == kNibbleQ4K || Decode == kByteQ8_0 || Decode == kSixBitQ6K;
   const int step = Decode == kSixBitQ6K ? 16 : inner_scales ? 32 : p.group, G = (K + step - 1) / step;
   const int gshift = __builtin_ctz(unsigned(step));  // groups: 32 times powers of two (bindings.cpp)
-  const __m512i table = digit_table<Decode>();
+  static const __m512i table = digit_table<Decode>();
   // word i of a step's base: code i & 15's table value (kNibbleZeros: index code + 16 - zero, per half)
   const __m512i codes16 = _mm512_and_si512(
       _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
                        7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi16(15));
-  const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
-  const __m512i even = even_byte_index();  // the byte-coded steps' digit split (store_step_digits)
+  static const __m512i base_fixed = _mm512_permutexvar_epi16(codes16, table);
+  static const __m512i even = even_byte_index();  // the byte-coded steps' digit split (store_step_digits)
   const int64_t row_bytes = Decode == kNibbleQ4_0   ? int64_t(K / 32) * 18
                             : Decode == kByteQ8_0  ? int64_t(K / 32) * 34
                             : Decode == kSixBitQ6K ? int64_t(K / 256) * 210
                             : Decode == kNibbleQ4K ? int64_t(K / 256) * 144
                                                    : K / 2;
-  thread_local std::vector<float> sc, mins;   // the groups' scales (Q4_K: s'), Q4_K's m'
-  thread_local std::vector<int32_t> bb, zz;  // b_g (kNibbleZeros: 16 - zero_g) in both words of a dword
+  std::vector<float>&sc = ds.sc, &mins = ds.mins;
+  std::vector<int32_t>&bb = ds.bb, &zz = ds.zz;
   if (sc.size() < size_t(G) + 16) {
     for (auto* v : {&sc, &mins}) v->resize(G + 16);
     for (auto* v : {&bb, &zz}) v->resize(G + 16);
   }
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < n1 - n0; ++r) {
     int8_t* hi = a_hi + int64_t(r) * K;
     int8_t* lo = a_lo + int64_t(r) * K;
-    if (r >= R) {
-      std::memset(hi, 0, K);
-      std::memset(lo, 0, K);
-      unit[r] = 0.f;
-      continue;
-    }
-    const int n = r0 + r;
+    const int n = n0 + r;
     const uint8_t* row = p.w + e * p.w_estride + int64_t(n) * p.w_rstride;
     const uint8_t* s = inner_scales ? nullptr : p.s + e * p.s_estride + int64_t(n / p.s_row_div) * p.s_rstride;
     const uint8_t* z = Decode == kNibbleZeros ? p.z + e * p.z_estride + int64_t(n) * p.z_rstride : nullptr;
-    // this row of the next block (the next call's), fetched while this block's tiles run
+    // this row of the block after (DigitRowsAhead decodes a block while the tiles of the one before run)
     // Q8_0's 34 lines a row (K = 2048) in one burst stalled on the line fill buffers: its step loop
     // asks for them a step at a time (Qwen3 layer at 512 tokens: 97.9-98.9 -> 89.2-96.1 ms; int4's 16
     // lines and Q4_0's 18 were as fast or faster in one burst).
@@ -1059,22 +1061,106 @@ void decode_digit_rows(const Proj& p, int e, int r0, int R, int rows, int8_t* a_
   }
 }
 
+// A thread's digit rows for the block its tiles read and for the block after, which it decodes
+// meanwhile (`next` of amx_gemm_digits): the decode's vector ops and the tile unit's products run at
+// once. A block decoded ahead is used only by the thread's very next call, and only for the same rows
+// of the same weights (`key`).
+struct DigitBlocks {
+  struct Key {
+    const uint8_t *w, *s, *z;
+    int64_t w_estride, w_rstride, s_estride, s_rstride, z_estride, z_rstride;
+    int k, group, s_row_div, method, scale_kind, e, r0, R;
+    auto fields() const {
+      return std::tie(w, s, z, w_estride, w_rstride, s_estride, s_rstride, z_estride, z_rstride, k, group, s_row_div,
+                      method, scale_kind, e, r0, R);
+    }
+    bool operator==(const Key& o) const { return fields() == o.fields(); }
+  };
+  static Key key_of(const RowBlock& b) {
+    const Proj& p = *b.p;
+    return {p.w,         p.s,         p.z,         p.w_estride, p.w_rstride, p.s_estride, p.s_rstride, p.z_estride,
+            p.z_rstride, p.k,         p.group,     p.s_row_div, p.method,    p.scale_kind, b.e,         b.r0,
+            b.R};
+  }
+  std::vector<int8_t> mem[2];
+  alignas(64) float unit[2][kAmxRows];
+  int ahead = -1;  // the buffer holding `key`'s rows, decoded for this thread's next call; -1: none
+  Key key{};
+  DigitScratch scratch;
+
+  // Buffer i's hi digits (kAmxRows rows of K in k order, 64-byte aligned), the lo digits kAmxRows * K
+  // after them. (The A tiles' own layout, each tile's 1 KB in one piece, made the tile loop faster
+  // and the decode's stores slower: the layer no faster, AMX Xeon.)
+  int8_t* rows(int i, int K) {
+    if (mem[i].size() < size_t(2) * kAmxRows * K + 64) mem[i].resize(size_t(2) * kAmxRows * K + 64);
+    return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(mem[i].data()) + 63) & ~uintptr_t(63));
+  }
+};
+thread_local DigitBlocks tl_digits;
+
+// A block's rows decoded into digit buffer `buf` a few at a time (run_to): the next block's between the
+// tiles of the current one, or, where nothing was decoded ahead, the current block's all at once.
+struct DigitRowsAhead {
+  using RowsFn = void (*)(const Proj&, int, int, int, int8_t*, int8_t*, float*, DigitScratch&);
+  RowBlock block;
+  RowsFn rows_fn = nullptr;  // decode_digit_rows of the block's decoding and scale kind
+  int8_t *hi = nullptr, *lo = nullptr;
+  float* unit = nullptr;
+  DigitScratch* scratch = nullptr;
+  int done = 0;
+
+  DigitRowsAhead(DigitBlocks& db, int buf, const RowBlock* next) {
+    if (!next) return;
+    block = *next;
+    with_nibble_kind<false>(*block.p, [&](auto k) {
+      rows_fn = &decode_digit_rows<decltype(k)::decode, decltype(k)::kind>;
+    });
+    const int K = block.p->k, rows = block.R > 16 ? kAmxRows : 16;
+    hi = db.rows(buf, K);
+    lo = hi + int64_t(kAmxRows) * K;
+    unit = db.unit[buf];
+    scratch = &db.scratch;
+    for (int r = block.R; r < rows; ++r) {  // the A tiles' rows past R read zeros
+      std::memset(hi + int64_t(r) * K, 0, K);
+      std::memset(lo + int64_t(r) * K, 0, K);
+      unit[r] = 0.f;
+    }
+  }
+  // The block's rows up to n (<= block.R) decoded.
+  void run_to(int n) {
+    if (n <= done) return;
+    const int K = block.p->k;
+    const int64_t off = int64_t(done) * K;
+    rows_fn(*block.p, block.e, block.r0 + done, block.r0 + n, hi + off, lo + off, unit + done, *scratch);
+    done = n;
+  }
+};
+
 // Tiles 0/1: rows 0-15 / 16-31, w_hi x_hi; 2/3: the same rows, w_hi x_lo + w_lo x_hi; A digits in 4/5
-// (hi, lo; the second row group's reloaded into them), B digits in 6/7 (hi, lo).
-template <int Decode, int Kind>
-void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
-                   int T, float* c, int ldc) {
+// (hi, lo; the second row group's reloaded into them), B digits in 6/7 (hi, lo). The rows of `next`
+// are decoded between the tile products, spread evenly over the J * S steps.
+void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
+                     int T, float* c, int ldc, const RowBlock* next) {
   const int K = p.k, S = K / 64, J = (T + 15) / 16;
   const bool two_rows = R > 16;
   const int rows = two_rows ? 32 : 16;
-  thread_local std::vector<int8_t> digits;
-  if (digits.size() < size_t(2) * kAmxRows * K + 64) digits.resize(size_t(2) * kAmxRows * K + 64);
-  int8_t* a_hi = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(digits.data()) + 63) & ~uintptr_t(63));
-  int8_t* a_lo = a_hi + int64_t(kAmxRows) * K;
-  alignas(64) float unit[kAmxRows], row_scale[kAmxRows];
-  decode_digit_rows<Decode, Kind>(p, e, r0, R, rows, a_hi, a_lo, unit);
+  DigitBlocks& db = tl_digits;
+  const RowBlock self{&p, e, r0, R};
+  int cur = 0;
+  if (db.ahead >= 0 && db.key == DigitBlocks::key_of(self)) {
+    cur = db.ahead;
+  } else {
+    DigitRowsAhead now(db, cur, &self);
+    now.run_to(R);
+  }
+  db.ahead = -1;
+  const int8_t* a_hi = db.rows(cur, K);
+  const int8_t* a_lo = a_hi + int64_t(kAmxRows) * K;
+  alignas(64) float row_scale[kAmxRows];
   // the products weigh 65536 (hi x hi) and 256 (the mid sums): 256 U times 256 hh + mid
-  for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < rows ? 256.f * unit[r] : 0.f;
+  for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < rows ? 256.f * db.unit[cur][r] : 0.f;
+  DigitRowsAhead ahead(db, 1 - cur, next);
+  const int steps = J * S, ahead_rows = next ? next->R : 0;
   configure_tiles();
   DeferredSums sums(row_scale, x_scale, two_rows, R, T, c, ldc);
   for (int j = 0; j < J; ++j) {
@@ -1097,18 +1183,16 @@ void gemm_digits_t(const Proj& p, int e, int r0, int R, const int8_t* x_hi, cons
         TILE_DPBSSD(3, 5, 6);
       }
       if (s == 1) sums.flush();
+      if (ahead_rows) ahead.run_to(int(int64_t(j * S + s + 1) * ahead_rows / steps));
     }
     sums.store(j);
   }
   sums.flush();
   tile_release();
-}
-
-void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, const int8_t* x_lo, const float* x_scale,
-                     int T, float* c, int ldc) {
-  with_nibble_kind<false>(p, [&](auto k) {
-    gemm_digits_t<decltype(k)::decode, decltype(k)::kind>(p, e, r0, R, x_hi, x_lo, x_scale, T, c, ldc);
-  });
+  if (next) {
+    db.key = DigitBlocks::key_of(*next);
+    db.ahead = 1 - cur;
+  }
 }
 
 KernelTable make_table() {

@@ -63,7 +63,7 @@ static_assert(sizeof(BlockIQ4XS) == 136, "ggml block sizes");
 // panels; its codes as exact bf16 values straight into the tiles (kernels_amx.cpp, gemm_nibble_t: 4-bit
 // codes, Q8_0's int8 ones), the K-quants' with a min term that needs the activations' sums over each
 // block of 32; or, where K is a multiple of 64, its weights scaled into two int8 digits a weight on
-// TDPBSSD (gemm_digits_t; the bf16 code tiles otherwise; kTileCodesMinDigits: the bf16 code tiles with
+// TDPBSSD (amx_gemm_digits; the bf16 code tiles otherwise; kTileCodesMinDigits: the bf16 code tiles with
 // the min term where they run, as HETMOE_AMX_4BIT=codes asks: Q4_K, whose mins go into its digits;
 // kTileDigitsOnly: the digits, or dequantized panels where they do not run: Q6_K, a scale a 16).
 enum TileCodes : int {

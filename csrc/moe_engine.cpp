@@ -351,8 +351,11 @@ class MoEJob final : public Job {
     for (int n0 = first; n0 < last; n0 += kAmxRows) {
       const int n1 = std::min(last, n0 + kAmxRows);
       float* g = h_.get() + size_t(a.first_slot) * I_ + n0;
-      tile_rows(kt_, gate_, a.expert, n0, n1, x, g, I_);
-      tile_rows(kt_, up_, a.expert, n0, n1, x, up_block, kAmxRows);
+      // each block's rows decoded during the tiles of the one before (amx_gemm_digits' `next`)
+      const RowBlock up_rows{&up_, a.expert, n0, n1 - n0};
+      const RowBlock gate_next{&gate_, a.expert, n1, std::min(last, n1 + kAmxRows) - n1};
+      tile_rows(kt_, gate_, a.expert, n0, n1, x, g, I_, &up_rows);
+      tile_rows(kt_, up_, a.expert, n0, n1, x, up_block, kAmxRows, n1 < last ? &gate_next : nullptr);
       activate(a.expert, n0, n1 - n0, g, I_, up_block, kAmxRows, a.count);
     }
   }

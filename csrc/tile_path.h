@@ -218,9 +218,10 @@ inline const uint8_t* tile_rows_as_stored(const Proj& p, int e, int r0, int R, i
   return copy;
 }
 
-// c[t * ldc + (n - n0)] = dot(W_e[n], x_t) for rows [n0, n1) of one projection, t < x.T.
+// c[t * ldc + (n - n0)] = dot(W_e[n], x_t) for rows [n0, n1) of one projection, t < x.T. `then`: the
+// block this thread takes after these rows (amx_gemm_digits' `next`), or nullptr.
 inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n1, const TileActs& x, float* c,
-                      int ldc) {
+                      int ldc, const RowBlock* then = nullptr) {
   std::vector<uint8_t>& tail = tl_tile.tail;
   const int K = p.k;
   for (int r0 = n0; r0 < n1; r0 += kAmxRows) {
@@ -229,7 +230,11 @@ inline void tile_rows(const KernelTable* kt, const Proj& p, int e, int n0, int n
     float* out = c + (r0 - n0);
     int64_t stride = 0;
     if (tile_digits(kt, p)) {
-      kt->amx_gemm_digits(p, e, r0, R, x.q_hi, x.q_lo, x.q_d, x.T, out, ldc);
+      // the block this thread takes next, decoded while this one's tiles run: the next rows, or `then`
+      const RowBlock following{&p, e, r1, std::min(n1, r1 + kAmxRows) - r1};
+      const RowBlock* next = r1 < n1 ? &following : then;
+      if (next && !tile_digits(kt, *next->p)) next = nullptr;
+      kt->amx_gemm_digits(p, e, r0, R, x.q_hi, x.q_lo, x.q_d, x.T, out, ldc, next);
       continue;
     }
     if (kt->amx_gemm_nibble && has_code_tiles(method_traits(p.method).tile_codes)) {
