@@ -46,7 +46,7 @@ def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
     mod = engine_module()
     before = (int_vector_widths(), weight_prefetches(), mod.selected_isa())
     cfg = DefaultsConfig(
-        methods=("int4", "bf16"), tokens=(1, 6), reps=2, experts=8, hidden=256, intermediate=128, top_k=2
+        methods=("int4", "bf16"), tokens=(1, 6), reps=2, confirm=3, experts=8, hidden=256, intermediate=128, top_k=2
     )
     result = run_defaults(cfg, log=lambda _line: None)
     assert [(r["method"], r["tokens"]) for r in result["records"]] == [
@@ -57,11 +57,16 @@ def test_run_times_every_candidate_and_leaves_the_settings(keep_isa) -> None:
     ]
     for r in result["records"]:
         times = r["candidates"]
-        assert r["default"] in times and r["best_ms"] == min(times.values())
-        # The times are kept to four significant digits (each within 5e-4 relative) and the ratio,
-        # taken before that, to three decimals of a value >= 1 (within 5e-4 relative): so the
+        assert r["default"] in times and times[r["best"]] == min(times.values())
+        # The times are kept to four significant digits (each within 5e-4 relative) and the ratios,
+        # taken before that, to three decimals of values near 1 (within 5e-4 relative): so the
         # ratio of the kept times is within ~1.5e-3 of the kept ratio.
+        assert r["sweep_ratio"] == pytest.approx(times[r["default"]] / times[r["best"]], rel=2e-3)
         assert r["ratio"] == pytest.approx(r["default_ms"] / r["best_ms"], rel=2e-3)
+        # the default against the sweep's fastest head to head where that is another configuration
+        assert r["confirm_rounds"] == (0 if r["best"] == r["default"] else cfg.confirm)
+        if r["confirm_rounds"] == 0:
+            assert r["ratio"] == r["sweep_ratio"] == 1.0
         assert r["default_spread"] >= 1.0
     assert (int_vector_widths(), weight_prefetches(), mod.selected_isa()) == before  # as it found them
     table = format_table(result)

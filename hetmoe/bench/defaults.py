@@ -19,6 +19,12 @@ list), each run after the caches were evicted, ``reps`` rounds; each one's media
 the default's (the tuned choices, as ``load_model`` applies them). The issue asks the default to be
 within 10% of the best at every count; on a shared VM two runs of one configuration differ by about
 that much, so the table gives the spread of the default's own runs beside the ratio.
+
+The fastest of some thirty noisy medians is a low draw more often than a faster configuration: at 1
+token, where the AMX and AVX-512 variants and every switch run the same GEMV, one sweep on the AMX
+Xeon had the same code's medians 1.88-2.18 ms and put the default 1.12x the best. So where another
+configuration is fastest, the two then alternate ``confirm`` more rounds on their own (which goes
+first alternating too) and the ratio is theirs; the sweep's stays beside it.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class DefaultsConfig:
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     threads: int = 0
     reps: int = 5
+    confirm: int = 15  # rounds of the default against the sweep's fastest, head to head; 0: none
     seed: int = 0
     # the layer: the tuner's (Qwen3-30B-A3B's); tests shrink it
     experts: int = EXPERTS
@@ -154,8 +161,8 @@ def _inputs(cfg: DefaultsConfig, tokens: int, gen: torch.Generator) -> tuple[tor
 def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     if cfg.threads:
         set_num_threads(cfg.threads)
-    if cfg.reps < 1:
-        raise ValueError(f"reps must be >= 1, got {cfg.reps}")
+    if cfg.reps < 1 or cfg.confirm < 0:
+        raise ValueError(f"reps must be >= 1 and confirm >= 0, got {cfg.reps} and {cfg.confirm}")
     choices()  # tune first where this machine has no record: the default is the tuned choices
     isas = _isas()
     mod = engine_module()
@@ -185,35 +192,51 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
                         engines[(c.isa, c.gemv_max)] = CPUExperts(*layer, gemv_max_tokens=c.gemv_max, verbose=False)
                 select_isa(selected)
                 gen = torch.Generator().manual_seed(cfg.seed + tokens)
+
+                def run_once(c: Config) -> float:
+                    if c.bits:
+                        set_int_vector_bits(c.bits, family)  # noqa: B023 (called before the loops move on)
+                    else:
+                        apply_widths(widths)
+                    set_weight_prefetch(c.prefetch, prefetch_family(method))  # noqa: B023
+                    engine = engines[(c.isa, c.gemv_max)]  # noqa: B023
+                    x, ids, w = _inputs(cfg, tokens, gen)  # noqa: B023
+                    flush()
+                    engine(x, torch.full_like(ids, -1), w)  # the code back in cache (bench/moe.py's _time)
+                    t0 = time.perf_counter()
+                    engine(x, ids, w)
+                    return time.perf_counter() - t0
+
                 times: dict[Config, list[float]] = {c: [] for c in configs}
                 for rep in range(cfg.reps):
                     order = list(configs)
                     random.Random(cfg.seed * 1000 + rep).shuffle(order)  # no fixed neighbours
                     for c in order:
-                        if c.bits:
-                            set_int_vector_bits(c.bits, family)
-                        else:
-                            apply_widths(widths)
-                        set_weight_prefetch(c.prefetch, prefetch_family(method))
-                        engine = engines[(c.isa, c.gemv_max)]
-                        x, ids, w = _inputs(cfg, tokens, gen)
-                        flush()
-                        engine(x, torch.full_like(ids, -1), w)  # the code back in cache (bench/moe.py's _time)
-                        t0 = time.perf_counter()
-                        engine(x, ids, w)
-                        times[c].append(time.perf_counter() - t0)
+                        times[c].append(run_once(c))
                 medians = {c: statistics.median(v) * 1e3 for c, v in times.items()}
                 best = min(medians, key=lambda c: medians[c])
+                sweep_ratio = medians[default] / medians[best]
                 own = times[default]
+                head: dict[Config, list[float]] = {default: [], best: []}
+                if best != default:
+                    for rnd in range(cfg.confirm):
+                        for c in (default, best) if rnd % 2 == 0 else (best, default):
+                            head[c].append(run_once(c))
+                if head[default]:
+                    default_ms, best_ms = (statistics.median(head[c]) * 1e3 for c in (default, best))
+                else:
+                    default_ms, best_ms = medians[default], medians[best]
                 rec = {
                     "method": method,
                     "tokens": tokens,
                     "default": default.label(),
-                    "default_ms": _four_digits(medians[default]),
+                    "default_ms": _four_digits(default_ms),
                     "default_spread": round(max(own) / min(own), 3),
                     "best": best.label(),
-                    "best_ms": _four_digits(medians[best]),
-                    "ratio": round(medians[default] / medians[best], 3),
+                    "best_ms": _four_digits(best_ms),
+                    "ratio": round(default_ms / best_ms, 3),
+                    "sweep_ratio": round(sweep_ratio, 3),
+                    "confirm_rounds": len(head[default]),
                     "candidates": {c.label(): _four_digits(m) for c, m in medians.items()},
                 }
                 records.append(rec)
@@ -228,6 +251,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
         "threads": engine_module().num_threads(),
         "isa": selected,
         "reps": cfg.reps,
+        "confirm": cfg.confirm,
         "layer": layer,
         "records": records,
     }
@@ -235,6 +259,7 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
 
 HEADER = (
     f"{'method':7s} {'tokens':>6s}  {'default':24s} {'ms':>9s} {'spread':>6s}  {'best':24s} {'ms':>9s} {'ratio':>6s}"
+    f" {'sweep':>6s}"
 )
 
 
@@ -242,7 +267,7 @@ def format_row(r: dict[str, Any]) -> str:
     mark = "" if r["ratio"] <= BOUND else f"  > {BOUND}"
     return (
         f"{r['method']:7s} {r['tokens']:6d}  {r['default']:24s} {r['default_ms']:9.3f} {r['default_spread']:6.2f}  "
-        f"{r['best']:24s} {r['best_ms']:9.3f} {r['ratio']:6.2f}{mark}"
+        f"{r['best']:24s} {r['best_ms']:9.3f} {r['ratio']:6.2f} {r['sweep_ratio']:6.2f}{mark}"
     )
 
 
@@ -252,7 +277,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['threads']} threads, {result['isa']}, median of {result['reps']} runs each, caches evicted",
         "configurations: variant/GEMV bits/prefetch/switch (bT: the tuned widths, decode's and prompts'; gemm: "
         "every expert on the GEMM path, gemv: on the GEMV path, gN: the GEMV up to N tokens an expert); spread: "
-        "the default's slowest run over its fastest",
+        "the default's slowest run over its fastest; ms and ratio: the default and the sweep's fastest head to "
+        f"head, {result['confirm']} rounds alternating (the sweep's medians where the default was fastest); sweep: "
+        "the ratio of the sweep's medians",
         HEADER,
     ]
     lines += [format_row(r) for r in result["records"]]

@@ -190,8 +190,9 @@ def _add_defaults_parser(bsub: argparse._SubParsersAction) -> None:
             "routing drawn at random each run) runs under every candidate of the tuner's choices: the kernel variant "
             "(AMX tiles or AVX-512, where the CPU has both), the integer GEMVs' width (256 or 512 bits), the weights' "
             "prefetch (t0, t1, nta or none) and the GEMV/GEMM switch (each count of the tuner's grid). The candidates "
-            "alternate, caches evicted before each run; the default's median is compared with the best one's. "
-            "The default is what load_model runs with: the tuned choices, measured on first use."
+            "alternate, caches evicted before each run; the fastest of them then runs head to head with the default "
+            "(--confirm rounds, alternating) and their medians are compared. The default is what load_model runs "
+            "with: the tuned choices, measured on first use."
         ),
         epilog="examples:\n  hetmoe bench defaults\n"
         "  hetmoe bench defaults --methods int4 --tokens 1,512 --reps 9 --json d.json",
@@ -201,6 +202,13 @@ def _add_defaults_parser(bsub: argparse._SubParsersAction) -> None:
     d.add_argument("--tokens", type=_csv(int), default=DEFAULT_TOKENS, help="comma-separated token counts")
     d.add_argument("--threads", type=int, default=0, help="engine threads (default: all usable CPUs)")
     d.add_argument("--reps", type=int, default=5, help="runs of each configuration (default 5)")
+    d.add_argument(
+        "--confirm",
+        type=int,
+        default=15,
+        help="rounds of the default against the fastest candidate, head to head, that give the ratio (default 15; "
+        "0: the sweep's medians)",
+    )
     d.add_argument("--json", metavar="FILE", help="write the records as JSON")
     d.set_defaults(run=run_defaults)
 
@@ -208,9 +216,11 @@ def _add_defaults_parser(bsub: argparse._SubParsersAction) -> None:
 def run_defaults(args: argparse.Namespace) -> int:
     from ..bench import defaults
 
-    if args.reps < 1 or args.threads < 0 or any(t < 1 for t in args.tokens):
-        raise ValueError("--reps must be >= 1, --threads >= 0 and every --tokens count >= 1")
-    cfg = defaults.DefaultsConfig(methods=args.methods, tokens=args.tokens, threads=args.threads, reps=args.reps)
+    if args.reps < 1 or args.confirm < 0 or args.threads < 0 or any(t < 1 for t in args.tokens):
+        raise ValueError("--reps must be >= 1, --confirm >= 0, --threads >= 0 and every --tokens count >= 1")
+    cfg = defaults.DefaultsConfig(
+        methods=args.methods, tokens=args.tokens, threads=args.threads, reps=args.reps, confirm=args.confirm
+    )
     result = defaults.run_defaults(cfg, log=lambda line: print(line, file=sys.stderr))
     print(defaults.format_table(result))
     if args.json:
