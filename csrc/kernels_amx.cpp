@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -1063,29 +1062,14 @@ void decode_digit_rows(const Proj& p, int e, int n0, int n1, int8_t* a_hi, int8_
 
 // A thread's digit rows for the block its tiles read and for the block after, which it decodes
 // meanwhile (`next` of amx_gemm_digits): the decode's vector ops and the tile unit's products run at
-// once. A block decoded ahead is used only by the thread's very next call, and only for the same rows
-// of the same weights (`key`).
+// once. A block decoded ahead is used only by the thread's very next call, and only where that call
+// names the same block: the same projection object (the callers pass the one they call with), expert
+// and rows.
 struct DigitBlocks {
-  struct Key {
-    const uint8_t *w, *s, *z;
-    int64_t w_estride, w_rstride, s_estride, s_rstride, z_estride, z_rstride;
-    int k, group, s_row_div, method, scale_kind, e, r0, R;
-    auto fields() const {
-      return std::tie(w, s, z, w_estride, w_rstride, s_estride, s_rstride, z_estride, z_rstride, k, group, s_row_div,
-                      method, scale_kind, e, r0, R);
-    }
-    bool operator==(const Key& o) const { return fields() == o.fields(); }
-  };
-  static Key key_of(const RowBlock& b) {
-    const Proj& p = *b.p;
-    return {p.w,         p.s,         p.z,         p.w_estride, p.w_rstride, p.s_estride, p.s_rstride, p.z_estride,
-            p.z_rstride, p.k,         p.group,     p.s_row_div, p.method,    p.scale_kind, b.e,         b.r0,
-            b.R};
-  }
   std::vector<int8_t> mem[2];
   alignas(64) float unit[2][kAmxRows];
-  int ahead = -1;  // the buffer holding `key`'s rows, decoded for this thread's next call; -1: none
-  Key key{};
+  int ahead = -1;  // the buffer holding `block`'s rows, decoded for this thread's next call; -1: none
+  RowBlock block;
   DigitScratch scratch;
 
   // Buffer i's hi digits (kAmxRows rows of K in k order, 64-byte aligned), the lo digits kAmxRows * K
@@ -1147,7 +1131,8 @@ void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, co
   DigitBlocks& db = tl_digits;
   const RowBlock self{&p, e, r0, R};
   int cur = 0;
-  if (db.ahead >= 0 && db.key == DigitBlocks::key_of(self)) {
+  const RowBlock& b = db.block;
+  if (db.ahead >= 0 && b.p == &p && b.e == e && b.r0 == r0 && b.R == R) {
     cur = db.ahead;
   } else {
     DigitRowsAhead now(db, cur, &self);
@@ -1160,7 +1145,7 @@ void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, co
   // the products weigh 65536 (hi x hi) and 256 (the mid sums): 256 U times 256 hh + mid
   for (int r = 0; r < kAmxRows; ++r) row_scale[r] = r < rows ? 256.f * db.unit[cur][r] : 0.f;
   DigitRowsAhead ahead(db, 1 - cur, next);
-  const int steps = J * S, ahead_rows = next ? next->R : 0;
+  const int steps = J * S;
   configure_tiles();
   DeferredSums sums(row_scale, x_scale, two_rows, R, T, c, ldc);
   for (int j = 0; j < J; ++j) {
@@ -1183,14 +1168,14 @@ void amx_gemm_digits(const Proj& p, int e, int r0, int R, const int8_t* x_hi, co
         TILE_DPBSSD(3, 5, 6);
       }
       if (s == 1) sums.flush();
-      if (ahead_rows) ahead.run_to(int(int64_t(j * S + s + 1) * ahead_rows / steps));
+      ahead.run_to(int(int64_t(j * S + s + 1) * ahead.block.R / steps));  // none where nothing is next
     }
     sums.store(j);
   }
   sums.flush();
   tile_release();
   if (next) {
-    db.key = DigitBlocks::key_of(*next);
+    db.block = *next;
     db.ahead = 1 - cur;
   }
 }
