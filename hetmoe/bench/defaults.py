@@ -146,9 +146,9 @@ def _isas() -> tuple[str, ...]:
 
 
 def _four_digits(ms: float) -> float:
-    """A median in milliseconds to four significant digits. A fixed number of decimals would
-    lose up to a few percent of a tiny layer's ~0.02 ms, and the ratios beside it would no longer
-    follow from the figures printed."""
+    """A median in milliseconds (or a ratio of two) to four significant digits. A fixed number of
+    decimals would lose up to a few percent of a tiny layer's ~0.02 ms (or of a ratio far below 1),
+    and the ratios beside it would no longer follow from the figures printed."""
     return float(f"{ms:.4g}")
 
 
@@ -234,8 +234,9 @@ def run_defaults(cfg: DefaultsConfig, log: Callable[[str], None] = print) -> dic
                     "default_spread": round(max(own) / min(own), 3),
                     "best": best.label(),
                     "best_ms": _four_digits(best_ms),
-                    "ratio": round(default_ms / best_ms, 3),
-                    "sweep_ratio": round(sweep_ratio, 3),
+                    # four significant digits: head to head the ratio may lie far from 1
+                    "ratio": _four_digits(default_ms / best_ms),
+                    "sweep_ratio": _four_digits(sweep_ratio),
                     "confirm_rounds": len(head[default]),
                     "candidates": {c.label(): _four_digits(m) for c, m in medians.items()},
                 }
