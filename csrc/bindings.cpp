@@ -235,16 +235,27 @@ void check_moe_proj(const char* name, const Proj& p, int rows, int cols) {
   if (!p.w) throw py::value_error(std::string("MoEEngine: ") + name + " has no weight pointer");
 }
 
-void check_moe_call(const MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk,
-                    uintptr_t weights, uintptr_t y) {
+// The arguments of MoEEngine.submit and .forward (`call`), refused before any job exists: an id out of
+// range would index past the weights (a plain loop: cheaper than the four torch ops the same check
+// costs in Python).
+void check_moe_call(const char* call, const MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids,
+                    int topk, uintptr_t weights, uintptr_t y) {
+  const std::string name = std::string("MoEEngine.") + call + ": ";
   if (x_dtype != kF32 && x_dtype != kBF16Data)
-    throw py::value_error("MoEEngine.submit: x_dtype must be 0 (fp32) or 1 (bf16), got " + std::to_string(x_dtype));
-  if (tokens < 0) throw py::value_error("MoEEngine.submit: tokens must be >= 0, got " + std::to_string(tokens));
+    throw py::value_error(name + "x_dtype must be 0 (fp32) or 1 (bf16), got " + std::to_string(x_dtype));
+  if (tokens < 0) throw py::value_error(name + "tokens must be >= 0, got " + std::to_string(tokens));
   if (topk < 1 || topk > e.experts())
-    throw py::value_error("MoEEngine.submit: topk must be in [1, " + std::to_string(e.experts()) + "], got " +
+    throw py::value_error(name + "topk must be in [1, " + std::to_string(e.experts()) + "], got " +
                           std::to_string(topk));
-  if (tokens > 0 && (!x || !ids || !weights || !y))
-    throw py::value_error("MoEEngine.submit: x, ids, weights and y must not be null");
+  if (tokens > 0 && (!x || !ids || !weights || !y)) throw py::value_error(name + "x, ids, weights and y must not be null");
+  const int64_t* id = reinterpret_cast<const int64_t*>(ids);
+  for (int64_t i = 0, n = int64_t(tokens) * topk; i < n; ++i) {
+    if (id[i] < -1 || id[i] >= e.experts()) {
+      throw py::value_error("topk_ids: expected ids in [-1, " + std::to_string(e.experts()) + "), found " +
+                            std::to_string(id[i]) + " at [" + std::to_string(i / topk) + ", " +
+                            std::to_string(i % topk) + "]");
+    }
+  }
 }
 
 void check_linear_call(int x_dtype, int tokens, int y_dtype) {
@@ -803,17 +814,7 @@ PYBIND11_MODULE(_C, m) {
           "submit",
           [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
              uintptr_t y, uintptr_t skip) {
-            check_moe_call(e, x, x_dtype, tokens, ids, topk, weights, y);
-            // An id out of range would index past the weights: refused here, before the job exists
-            // (a plain loop: cheaper than the four torch ops the same check costs in Python).
-            const int64_t* id = reinterpret_cast<const int64_t*>(ids);
-            for (int64_t i = 0, n = int64_t(tokens) * topk; i < n; ++i) {
-              if (id[i] < -1 || id[i] >= e.experts()) {
-                throw py::value_error("topk_ids: expected ids in [-1, " + std::to_string(e.experts()) + "), found " +
-                                      std::to_string(id[i]) + " at [" + std::to_string(i / topk) + ", " +
-                                      std::to_string(i % topk) + "]");
-              }
-            }
+            check_moe_call("submit", e, x, x_dtype, tokens, ids, topk, weights, y);
             py::gil_scoped_release release;
             return e.submit(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids),
                             topk, reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),
@@ -821,6 +822,19 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("ids"), py::arg("topk"), py::arg("weights"),
           py::arg("y"), py::arg("skip"))
+      .def(
+          "forward",
+          [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
+             uintptr_t y, uintptr_t skip) {
+            check_moe_call("forward", e, x, x_dtype, tokens, ids, topk, weights, y);
+            py::gil_scoped_release release;
+            e.forward(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids), topk,
+                      reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),
+                      reinterpret_cast<const uint8_t*>(skip));
+          },
+          py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("ids"), py::arg("topk"), py::arg("weights"),
+          py::arg("y"), py::arg("skip"),
+          "submit and wait in one call, the GIL released throughout; no handle is kept")
       .def(
           "wait",
           [](MoEEngine& e, int64_t handle) {

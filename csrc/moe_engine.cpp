@@ -566,17 +566,26 @@ MoEEngine::MoEEngine(int experts, int hidden, int intermediate, const Proj& gate
       gemv_max_(gemv_max_tokens),
       split_(split_experts(experts, hidden, intermediate, gate, up, down, global_pool()->topology())) {}
 
-int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
-                          const float* weights, void* y, const uint8_t* skip_mask) {
+std::shared_ptr<Job> MoEEngine::start(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
+                                      const float* weights, void* y, const uint8_t* skip_mask) {
   std::shared_ptr<ThreadPool> pool = global_pool();
   auto job = std::make_shared<MoEJob>(E_, H_, I_, gate_, up_, down_, act_, kt_, gemv_max_, split_, x, x_dtype,
                                       tokens, ids, topk, weights, y, skip_mask, pool->threads());
-  const int64_t handle = jobs_.add(job);
-  pool->submit(std::move(job));
-  return handle;
+  pool->submit(job);
+  return job;
+}
+
+int64_t MoEEngine::submit(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
+                          const float* weights, void* y, const uint8_t* skip_mask) {
+  return jobs_.add(start(x, x_dtype, tokens, ids, topk, weights, y, skip_mask));
 }
 
 bool MoEEngine::wait(int64_t handle) { return jobs_.wait(handle); }
+
+void MoEEngine::forward(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk, const float* weights,
+                        void* y, const uint8_t* skip_mask) {
+  start(x, x_dtype, tokens, ids, topk, weights, y, skip_mask)->wait();
+}
 
 int MoEEngine::pending() const { return jobs_.size(); }
 

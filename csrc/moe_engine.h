@@ -33,6 +33,10 @@ class MoEEngine {
                  void* y, const uint8_t* skip_mask);
   // Blocks until the job is done; false if the handle is not pending.
   bool wait(int64_t handle);
+  // submit and wait in one: the caller's thread runs the job's items with the pool's as wait() does,
+  // with no handle kept.
+  void forward(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk, const float* weights, void* y,
+               const uint8_t* skip_mask);
   int pending() const;
 
   int experts() const { return E_; }
@@ -48,6 +52,10 @@ class MoEEngine {
   int gemv_max_;
   std::vector<NodeRows> split_;  // by the pool's topology when the engine was made
   engine::PendingJobs jobs_;
+
+  // The job of one forward, made and handed to the pool.
+  std::shared_ptr<Job> start(const void* x, int x_dtype, int tokens, const int64_t* ids, int topk,
+                             const float* weights, void* y, const uint8_t* skip_mask);
 };
 
 // The process-wide pool all engines share; created on first use.

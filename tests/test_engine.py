@@ -482,6 +482,10 @@ def test_bad_calls_raise_clear_errors(weights) -> None:
         (lambda: ce.forward(x, ids.int(), w), "topk_ids: expected int64"),
         (lambda: ce.forward(x, ids[:3], w[:3]), "topk_ids: expected int64 [4, k]"),
         (lambda: ce.forward(x, ids, w.double()), "topk_weights: expected float32"),
+        (lambda: ce.forward(x, ids, w[:, :1].contiguous()), "topk_weights: expected float32 [4, 2]"),
+        (lambda: ce.forward(x.tolist(), ids, w), "x: expected a torch.Tensor, found list"),
+        (lambda: ce.forward(x, ids.to("meta"), w), "topk_ids: expected a CPU tensor, found device meta"),
+        (lambda: ce.submit(x, ids, w.T), "topk_weights: expected a contiguous tensor"),
         (lambda: ce.forward(x, ids + E, w), f"topk_ids: expected ids in [-1, {E})"),
         (lambda: ce.forward(x, ids - 5, w), "topk_ids: expected ids in [-1"),
         (lambda: ce.wait(12345), "handle 12345 is not pending"),
@@ -494,6 +498,9 @@ def test_bad_calls_raise_clear_errors(weights) -> None:
     ce.wait(handle)
     with pytest.raises(ValueError, match="not pending"):
         ce.wait(handle)
+    # a tensor subclass is not the checks' quick case (forward's explain path runs) and is taken as a tensor
+    x_param = torch.nn.Parameter(x, requires_grad=False)
+    assert torch.equal(ce.forward(x_param, ids, w), ce.forward(x, ids, w))
 
 
 def test_bad_construction(weights) -> None:

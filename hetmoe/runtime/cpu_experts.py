@@ -154,6 +154,7 @@ class CPUExperts:
             down_bias=biases[2].data_ptr() if biases[2] is not None else 0,
         )
         self._mask = torch.zeros(e, dtype=torch.uint8)
+        self._mask_ptr = self._mask.data_ptr()  # set_mask copies into it: the address stays
         if mask is not None:
             self.set_mask(mask)
         self._pending: dict[int, _Pending] = {}
@@ -186,6 +187,29 @@ class CPUExperts:
         self._mask.copy_(mask.to(torch.uint8).cpu())
 
     def _check(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        # The usual call in few tensor operations: a decode step meets this code cold (the layer before
+        # streamed its weights through the caches), where each one costs microseconds; anything else
+        # goes to _explain, which names what is wrong.
+        if (
+            type(x) is torch.Tensor
+            and type(ids) is torch.Tensor
+            and type(weights) is torch.Tensor
+            and x.is_cpu
+            and ids.is_cpu
+            and weights.is_cpu
+            and x.dtype in _X_DTYPES
+            and ids.dtype is torch.int64
+            and weights.dtype is torch.float32
+            and x.is_contiguous()
+            and ids.is_contiguous()
+            and weights.is_contiguous()
+        ):
+            xs, s = x.shape, ids.shape
+            if len(xs) == 2 and xs[1] == self.hidden and len(s) == 2 and s[0] == xs[0] and weights.shape == s:
+                return
+        self._explain(x, ids, weights)
+
+    def _explain(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         for t, name in ((x, "x"), (ids, "topk_ids"), (weights, "topk_weights")):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
@@ -217,7 +241,7 @@ class CPUExperts:
             topk_ids.shape[1],
             topk_weights.data_ptr(),
             y.data_ptr(),
-            self._mask.data_ptr(),
+            self._mask_ptr,
         )
         self._pending[handle] = _Pending((x, topk_ids, topk_weights), y)
         return handle
@@ -230,7 +254,21 @@ class CPUExperts:
         return self._pending.pop(handle).y
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.wait(self.submit(x, topk_ids, topk_weights))
+        """The layer's output ``[T, H]`` in x's dtype: ``submit`` and ``wait`` in one engine call, with
+        no handle kept (a decode step pays for every Python operation; see _check)."""
+        self._check(x, topk_ids, topk_weights)
+        y = torch.empty_like(x)
+        self._engine.forward(
+            x.data_ptr(),
+            _X_DTYPES[x.dtype],
+            x.shape[0],
+            topk_ids.data_ptr(),
+            topk_ids.shape[1],
+            topk_weights.data_ptr(),
+            y.data_ptr(),
+            self._mask_ptr,
+        )
+        return y
 
     __call__ = forward
 
