@@ -258,6 +258,20 @@ void check_moe_call(const char* call, const MoEEngine& e, uintptr_t x, int x_dty
   }
 }
 
+// MoEEngine.submit and .forward: the same arguments, checked, then run(engine, the pointers typed...)
+// with the GIL released.
+template <typename Run>
+auto moe_call(const char* call, Run run) {
+  return [call, run](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
+                     uintptr_t y, uintptr_t skip) {
+    check_moe_call(call, e, x, x_dtype, tokens, ids, topk, weights, y);
+    py::gil_scoped_release release;
+    return run(e, reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids), topk,
+               reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),
+               reinterpret_cast<const uint8_t*>(skip));
+  };
+}
+
 void check_linear_call(int x_dtype, int tokens, int y_dtype) {
   if (x_dtype != kF32 && x_dtype != kBF16Data) throw py::value_error("x_dtype must be 0 (fp32) or 1 (bf16)");
   if (y_dtype != kF32 && y_dtype != kBF16Data) throw py::value_error("y_dtype must be 0 (fp32) or 1 (bf16)");
@@ -812,26 +826,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("limit") = 7.0f, py::arg("gate_bias") = 0, py::arg("up_bias") = 0, py::arg("down_bias") = 0)
       .def(
           "submit",
-          [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
-             uintptr_t y, uintptr_t skip) {
-            check_moe_call("submit", e, x, x_dtype, tokens, ids, topk, weights, y);
-            py::gil_scoped_release release;
-            return e.submit(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids),
-                            topk, reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),
-                            reinterpret_cast<const uint8_t*>(skip));
-          },
+          moe_call("submit", [](MoEEngine& e, auto... args) { return e.submit(args...); }),
           py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("ids"), py::arg("topk"), py::arg("weights"),
           py::arg("y"), py::arg("skip"))
       .def(
           "forward",
-          [](MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids, int topk, uintptr_t weights,
-             uintptr_t y, uintptr_t skip) {
-            check_moe_call("forward", e, x, x_dtype, tokens, ids, topk, weights, y);
-            py::gil_scoped_release release;
-            e.forward(reinterpret_cast<const void*>(x), x_dtype, tokens, reinterpret_cast<const int64_t*>(ids), topk,
-                      reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(y),
-                      reinterpret_cast<const uint8_t*>(skip));
-          },
+          moe_call("forward", [](MoEEngine& e, auto... args) { e.forward(args...); }),
           py::arg("x"), py::arg("x_dtype"), py::arg("tokens"), py::arg("ids"), py::arg("topk"), py::arg("weights"),
           py::arg("y"), py::arg("skip"),
           "submit and wait in one call, the GIL released throughout; no handle is kept")

@@ -227,22 +227,26 @@ class CPUExperts:
             raise ValueError(
                 f"topk_weights: expected float32 {list(ids.shape)}, found {weights.dtype} {list(weights.shape)}"
             )
-        # ids in [-1, experts) are checked by the engine's submit (a ValueError naming the first bad one)
+        # ids in [-1, experts) are checked by the engine's submit and forward (a ValueError naming the first bad one)
+
+    def _pointers(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> tuple:
+        """The engine's submit/forward arguments for checked inputs."""
+        return (
+            x.data_ptr(),
+            _X_DTYPES[x.dtype],
+            x.shape[0],
+            ids.data_ptr(),
+            ids.shape[1],
+            weights.data_ptr(),
+            y.data_ptr(),
+            self._mask_ptr,
+        )
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Start the layer; returns a handle for ``wait``. The inputs must not change until then."""
         self._check(x, topk_ids, topk_weights)
         y = torch.empty_like(x)
-        handle = self._engine.submit(
-            x.data_ptr(),
-            _X_DTYPES[x.dtype],
-            x.shape[0],
-            topk_ids.data_ptr(),
-            topk_ids.shape[1],
-            topk_weights.data_ptr(),
-            y.data_ptr(),
-            self._mask_ptr,
-        )
+        handle = self._engine.submit(*self._pointers(x, topk_ids, topk_weights, y))
         self._pending[handle] = _Pending((x, topk_ids, topk_weights), y)
         return handle
 
@@ -258,16 +262,7 @@ class CPUExperts:
         no handle kept (a decode step pays for every Python operation; see _check)."""
         self._check(x, topk_ids, topk_weights)
         y = torch.empty_like(x)
-        self._engine.forward(
-            x.data_ptr(),
-            _X_DTYPES[x.dtype],
-            x.shape[0],
-            topk_ids.data_ptr(),
-            topk_ids.shape[1],
-            topk_weights.data_ptr(),
-            y.data_ptr(),
-            self._mask_ptr,
-        )
+        self._engine.forward(*self._pointers(x, topk_ids, topk_weights, y))
         return y
 
     __call__ = forward
