@@ -240,14 +240,16 @@ void check_moe_proj(const char* name, const Proj& p, int rows, int cols) {
 // costs in Python).
 void check_moe_call(const char* call, const MoEEngine& e, uintptr_t x, int x_dtype, int tokens, uintptr_t ids,
                     int topk, uintptr_t weights, uintptr_t y) {
-  const std::string name = std::string("MoEEngine.") + call + ": ";
+  // the message's prefix only where one is thrown: a decode step's every layer passes here
+  const auto refused = [call](const std::string& what) {
+    return py::value_error(std::string("MoEEngine.") + call + ": " + what);
+  };
   if (x_dtype != kF32 && x_dtype != kBF16Data)
-    throw py::value_error(name + "x_dtype must be 0 (fp32) or 1 (bf16), got " + std::to_string(x_dtype));
-  if (tokens < 0) throw py::value_error(name + "tokens must be >= 0, got " + std::to_string(tokens));
+    throw refused("x_dtype must be 0 (fp32) or 1 (bf16), got " + std::to_string(x_dtype));
+  if (tokens < 0) throw refused("tokens must be >= 0, got " + std::to_string(tokens));
   if (topk < 1 || topk > e.experts())
-    throw py::value_error(name + "topk must be in [1, " + std::to_string(e.experts()) + "], got " +
-                          std::to_string(topk));
-  if (tokens > 0 && (!x || !ids || !weights || !y)) throw py::value_error(name + "x, ids, weights and y must not be null");
+    throw refused("topk must be in [1, " + std::to_string(e.experts()) + "], got " + std::to_string(topk));
+  if (tokens > 0 && (!x || !ids || !weights || !y)) throw refused("x, ids, weights and y must not be null");
   const int64_t* id = reinterpret_cast<const int64_t*>(ids);
   for (int64_t i = 0, n = int64_t(tokens) * topk; i < n; ++i) {
     if (id[i] < -1 || id[i] >= e.experts()) {
