@@ -268,7 +268,15 @@ void ThreadPool::worker_main(int id) {
       seen = generation_.load(std::memory_order_acquire);
       st = state_;
     }
-    if (!st) continue;
+    if (!st) {
+      // Woken for a job that finished without this worker (the caller ran its few items before the
+      // worker was scheduled): the idle window counts from now, as after a job it ran. Left counting
+      // from its last job, long past, the worker slept again at once and the next job, often
+      // microseconds away, paid a futex wake-up and a sleeping thread's scheduling (bench moe's
+      // timed call after its idle one, AMX Xeon, int4 layer: the submit 11-14 us -> 0.2).
+      idle_since = std::chrono::steady_clock::now();
+      continue;
+    }
     // Keep off the caller's CPU: it runs items too, and two of the pool's threads on one core while
     // another idles is the worst case (the scheduler's wake-up placement did that to floating
     // workers: one MoE layer's decode step from DRAM, bf16 3.8 -> 6.3 ms). Pinning workers to

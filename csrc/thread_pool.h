@@ -12,7 +12,9 @@
 // Workers keep off the CPU the caller last ran on (their affinity is every other CPU of their
 // node, updated when the caller moves), so the caller and the workers never share a core.
 // Between the phases of a job workers spin briefly (phases follow each other within microseconds);
-// once no job is running they sleep on a condition variable at once, so an idle pool takes no CPU.
+// once no job is running they spin idle_spin_us() more (counted from their last job, or from their
+// wake-up where the job was done before they got to it), then sleep on a condition variable, so an
+// idle pool takes no CPU.
 //
 // On a NUMA machine (numa.h) the pool's threads are split into one group per node, in proportion
 // to the nodes' CPUs, each worker kept to its node's CPUs. A phase may say which of its items read
