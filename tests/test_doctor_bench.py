@@ -132,3 +132,22 @@ def test_timed_run_follows_an_idle_run_after_the_eviction() -> None:
                          idle=("idle",))  # fmt: skip
     assert len(times) == 3 and plain == []
     assert calls == ["step"] + ["evict", "idle", "step"] * 3
+
+
+def test_plain_read_follows_the_same_eviction_and_idle_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain read beside each decode row (%read's reference) sees the machine as the timed call
+    does: evicted, then the idle run, which also wakes the pool's threads (a read on a sleeping pool
+    pays their wake-up inside its clock)."""
+    import hetmoe.bench.moe as bench
+
+    calls: list[str] = []
+
+    def plain_read(nbytes: float, reps: int, seed: int) -> float:
+        calls.append("plain")
+        return 10.0
+
+    monkeypatch.setattr(bench, "plain_read_gb_per_s", plain_read)
+    times, plain = bench._time(lambda tag: calls.append(tag), lambda: ("step",), reps=2, min_seconds=0,
+                               flush=lambda: calls.append("evict"), plain_bytes=1 << 20, idle=("idle",))  # fmt: skip
+    assert len(times) == 2 and plain == [10.0, 10.0]
+    assert calls == ["step"] + ["evict", "idle", "step", "evict", "idle", "plain"] * 2

@@ -60,7 +60,11 @@ def _time(
     which no decode step does (measured on the AMX Xeon, int4 decode of one layer, alternating: 1.49
     ms evicted with its code, 1.20 with the code run again; waking the pool's threads alone: 1.47).
     With ``plain_bytes``, each repetition is followed by a plain read of that many bytes in random
-    1 MiB chunks (its GB/s in the second list): interleaved, both see the machine in the same state."""
+    1 MiB chunks (its GB/s in the second list), after the same eviction and idle run as the timed call:
+    interleaved, both see the machine in the same state. The idle run also wakes the pool's threads,
+    which sleep through the eviction; a plain read that woke them itself took 0.93-1.06 ms for an int4
+    layer's 21 MB against 0.68-0.70 ms after an idle run (AMX Xeon, 2 threads), so %read compared the
+    layer on a woken pool with a read on a sleeping one."""
     fn(*prepare())  # warm-up: page in, allocate, spin up the pool
     times: list[float] = []
     plain: list[float] = []
@@ -75,6 +79,8 @@ def _time(
         times.append(time.perf_counter() - t0)
         if plain_bytes:
             flush()
+            if idle:
+                fn(*idle)
             plain.append(plain_read_gb_per_s(plain_bytes, reps=1, seed=len(times)))
     return times, plain
 
