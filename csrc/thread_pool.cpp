@@ -268,27 +268,25 @@ void ThreadPool::worker_main(int id) {
       seen = generation_.load(std::memory_order_acquire);
       st = state_;
     }
-    if (!st) {
-      // Woken for a job that finished without this worker (the caller ran its few items before the
-      // worker was scheduled): the idle window counts from now, as after a job it ran. Left counting
-      // from its last job, long past, the worker slept again at once and the next job, often
-      // microseconds away, paid a futex wake-up and a sleeping thread's scheduling (bench moe's
-      // timed call after its idle one, AMX Xeon, int4 layer: the submit 11-14 us -> 0.2).
-      idle_since = std::chrono::steady_clock::now();
-      continue;
+    if (st) {
+      // Keep off the caller's CPU: it runs items too, and two of the pool's threads on one core while
+      // another idles is the worst case (the scheduler's wake-up placement did that to floating
+      // workers: one MoE layer's decode step from DRAM, bf16 3.8 -> 6.3 ms). Pinning workers to
+      // fixed CPUs did it too, with the caller, which is the user's thread and not ours to pin.
+      // Each worker stays on its node's CPUs (all allowed CPUs on a one-node machine).
+      const int caller = caller_cpu_.load(std::memory_order_relaxed);
+      const std::vector<int>& mine = topology_.node_cpus[worker_node_[id]];
+      if (caller != avoiding) {
+        set_affinity(pthread_self(), mine, caller);
+        avoiding = caller;
+      }
+      run_items(st, id);
     }
-    // Keep off the caller's CPU: it runs items too, and two of the pool's threads on one core while
-    // another idles is the worst case (the scheduler's wake-up placement did that to floating
-    // workers: one MoE layer's decode step from DRAM, bf16 3.8 -> 6.3 ms). Pinning workers to
-    // fixed CPUs did it too, with the caller, which is the user's thread and not ours to pin.
-    // Each worker stays on its node's CPUs (all allowed CPUs on a one-node machine).
-    const int caller = caller_cpu_.load(std::memory_order_relaxed);
-    const std::vector<int>& mine = topology_.node_cpus[worker_node_[id]];
-    if (caller != avoiding) {
-      set_affinity(pthread_self(), mine, caller);
-      avoiding = caller;
-    }
-    run_items(st, id);
+    // The idle window counts from the last job this worker met, whether it ran items of it or was
+    // woken after the caller had finished it alone. Counted from its last job run, long past, such a
+    // worker slept again at once and the next job, often microseconds away, paid a futex wake-up and
+    // a sleeping thread's scheduling (bench moe's timed call after its idle one, AMX Xeon, int4
+    // layer: the submit 11-14 us -> 0.2).
     idle_since = std::chrono::steady_clock::now();
   }
 }

@@ -66,21 +66,23 @@ def _time(
     layer's 21 MB against 0.68-0.70 ms after an idle run (AMX Xeon, 2 threads), so %read compared the
     layer on a woken pool with a read on a sleeping one."""
     fn(*prepare())  # warm-up: page in, allocate, spin up the pool
+
+    def settle() -> None:  # the state the timed call and the plain read each start from
+        flush()
+        if idle:
+            fn(*idle)
+
     times: list[float] = []
     plain: list[float] = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < min_seconds and len(times) < 10 * reps):
         args = prepare()
-        flush()
-        if idle:
-            fn(*idle)
+        settle()
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
         if plain_bytes:
-            flush()
-            if idle:
-                fn(*idle)
+            settle()
             plain.append(plain_read_gb_per_s(plain_bytes, reps=1, seed=len(times)))
     return times, plain
 
